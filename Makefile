@@ -1,0 +1,32 @@
+# make serve: fresh clone -> .venv -> install -> default model -> demo (the server arrives with issue 3)
+# make test:  fresh clone -> .venv -> install -> default model -> the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install model serve test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The constraint keeps the local CPU torch wheel; on GPU machines run: pip install -e '.[test]'
+	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/pagoda model fetch
+
+serve: model
+	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
+
+test: model
+	$(BIN)/python -m pytest -q tests
+
+bench: model
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV)

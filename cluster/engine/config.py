@@ -1,0 +1,25 @@
+"""EngineConfig: the knobs of one engine, with defaults that suit the CPU and the default model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str  # an HF model directory
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30  # device memory for KV pages; sets the number of blocks
+    num_blocks: int | None = None  # or set the number of blocks directly (tests do)
+    max_num_batched_tokens: int = 512  # token budget of one step: the prefill chunk size
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's context
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0  # for requests that bring no seed of their own
+
+    def __post_init__(self):
+        for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

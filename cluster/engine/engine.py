@@ -1,0 +1,229 @@
+"""LLMEngine: requests in, token deltas out, one step at a time.
+
+    add_request ──> Scheduler.schedule() ──plan──> ModelRunner.execute() ──sampled tokens──┐
+                                                                                         │
+    deltas <── Request.append_output (detokenize, stop checks) <── update(plan, output) <─┘
+
+The engine owns the tokenizer, the model runner, the block manager and the scheduler. It is
+synchronous and single-threaded; the server (cluster/serve) runs its step loop in a thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from cache_service import KVCacheManager
+from cluster.engine.config import EngineConfig
+from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.errors import InvalidRequestError
+from cluster.engine.outputs import RequestDelta
+from cluster.engine.request import FinishReason, Request
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.scheduler import Scheduler, SchedulerPlan
+from model.loader import parse_dtype
+from model.runner import ModelRunner, SampledToken, SequenceInput
+from model.sampler import SamplingRow
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = Path(config.model)
+        self.runner = ModelRunner(
+            model_dir,
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            kv_cache_bytes=config.kv_cache_bytes,
+            max_model_len=config.max_model_len,
+            dtype=parse_dtype(config.dtype),
+            device=config.device,
+        )
+        self.model_config = self.runner.config
+        # A single request must always fit in the cache, or preempting it could never help.
+        self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * config.block_size)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model_identity = _model_identity(model_dir, config)
+        self.kv_cache = KVCacheManager(
+            self.runner.num_blocks, config.block_size, self.model_identity, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
+        self._requests: dict[str, list[Request]] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._default_generator = torch.Generator().manual_seed(config.seed)
+
+    # ---- input ---------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Token ids as HF would make them: `tokenizer(prompt)` for raw text, the chat template
+        with a generation prompt for messages."""
+        if messages is not None:
+            _check_messages(messages)
+            try:
+                encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except Exception as e:  # a template may raise on roles or orders it does not allow
+                raise InvalidRequestError("messages", f"the chat template rejected them: {e}") from None
+            token_ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            token_ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, list):
+            token_ids = prompt
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+                raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {vocab})")
+        else:
+            raise InvalidRequestError("prompt", "give a prompt string, token ids or messages")
+        if not token_ids:
+            raise InvalidRequestError("prompt", "encodes to no tokens")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"has {len(token_ids)} tokens; the context holds {self.max_model_len} "
+                "including at least one generated token",
+            )
+        return token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        salt: str | None = None,
+    ) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if not prompt_token_ids or len(prompt_token_ids) >= self.max_model_len:
+            self.encode_prompt(prompt_token_ids)  # raises the same errors as for text
+        eos = self.model_config.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        )
+        backend = self.tokenizer.backend_tokenizer
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(
+                Request(
+                    request_id=child_id,
+                    parent_id=request_id,
+                    index=i,
+                    prompt_token_ids=list(prompt_token_ids),
+                    params=params,
+                    detokenizer=IncrementalDetokenizer(
+                        backend, prompt_token_ids, params.stop, params.skip_special_tokens
+                    ),
+                    eos_token_ids=tuple(eos),
+                    max_model_len=self.max_model_len,
+                    salt=salt,
+                )
+            )
+            if params.seed is not None:
+                self._generators[child_id] = torch.Generator().manual_seed(params.seed + i)
+        self._requests[request_id] = children
+        for child in children:
+            self.scheduler.add(child)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. Returns whether it was still running."""
+        children = self._requests.pop(request_id, None)
+        if children is None:
+            return False
+        for child in children:
+            if not child.is_finished:
+                self.scheduler.finish(child, FinishReason.ABORT)
+            self._generators.pop(child.request_id, None)
+        return True
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestDelta]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        seqs = [
+            SequenceInput(
+                new_token_ids=s.request.token_ids[
+                    s.request.num_computed_tokens : s.request.num_computed_tokens + s.num_new_tokens
+                ],
+                num_computed_tokens=s.request.num_computed_tokens,
+                block_ids=self.kv_cache.block_ids(s.request.request_id),
+                sampling=self._sampling_row(s.request) if s.samples else None,
+            )
+            for s in plan.scheduled
+        ]
+        return self.update(plan, self.runner.execute(seqs))
+
+    def update(self, plan: SchedulerPlan, sampled: list[SampledToken | None]) -> list[RequestDelta]:
+        self.scheduler.update(plan)
+        deltas = []
+        for s, token in zip(plan.scheduled, sampled):
+            if token is None:
+                continue
+            request = s.request
+            text = request.append_output(token.token_id, token.logprobs)
+            if request.finish_reason is not None:
+                self.scheduler.finish(request, request.finish_reason)
+                self._generators.pop(request.request_id, None)
+                self._forget_if_done(request.parent_id)
+            deltas.append(
+                RequestDelta(
+                    request_id=request.parent_id,
+                    index=request.index,
+                    new_token_ids=[token.token_id],
+                    new_text=text,
+                    new_logprobs=[token.logprobs] if token.logprobs is not None else [],
+                    finish_reason=request.finish_reason.value if request.finish_reason else None,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                )
+            )
+        return deltas
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        params = request.params
+        return SamplingRow(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            generator=self._generators.get(request.request_id, self._default_generator),
+            num_logprobs=params.logprobs,
+        )
+
+    def _forget_if_done(self, parent_id: str) -> None:
+        children = self._requests.get(parent_id, [])
+        if all(child.is_finished for child in children):
+            self._requests.pop(parent_id, None)
+
+    # ---- introspection -------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise InvalidRequestError(f"messages[{i}].content", "must be a string")
+
+
+def _model_identity(model_dir: Path, config: EngineConfig) -> str:
+    """What makes a KV page reusable: the same weights layout and numerics."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
+    return f"{model_dir.name}:{digest}:{config.dtype}:bs{config.block_size}"

@@ -1,0 +1,65 @@
+"""LLM: the offline, in-process API.
+
+    llm = LLM(model="~/.cache/pagoda/models/SmolLM2-135M-Instruct")
+    outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+
+All prompts go into the engine at once and are batched continuously, like the server does.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from tqdm import tqdm
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine import LLMEngine
+from cluster.engine.outputs import CompletionOutput, RequestOutput
+from cluster.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_options))
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Raw prompts (text or token ids), encoded as `tokenizer(prompt)` does."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        encoded = [(p if isinstance(p, str) else None, self.engine.encode_prompt(p)) for p in prompts]
+        return self._run(encoded, sampling_params or SamplingParams(), use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Conversations of {"role", "content"} messages, through the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        encoded = [(None, self.engine.encode_prompt(messages=c)) for c in conversations]
+        return self._run(encoded, sampling_params or SamplingParams(), use_tqdm)
+
+    def _run(self, encoded, params: SamplingParams, use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        for prompt, token_ids in encoded:
+            request_id = str(next(self._ids))
+            results[request_id] = RequestOutput(
+                request_id, prompt, token_ids, [CompletionOutput(i) for i in range(params.n)]
+            )
+            self.engine.add_request(request_id, token_ids, params)
+        with tqdm(total=len(results), disable=not use_tqdm, desc="generate") as progress:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    result = results[delta.request_id]
+                    result.outputs[delta.index].add(delta)
+                    if delta.finished and result.finished:
+                        progress.update(1)
+        return list(results.values())

@@ -1,0 +1,119 @@
+"""Iteration-level scheduler: each step, a plan of which requests run and how many tokens each.
+
+There is no prefill phase and decode phase. Every request wants `num_tokens - num_computed_tokens`
+more tokens computed; a step grants them under a token budget (max_num_batched_tokens) and a
+sequence cap (max_num_seqs), running requests first, oldest first, then waiting ones in arrival
+order. A long prompt therefore prefills in chunks alongside other requests' decodes.
+
+When blocks run out for a running request, the newest running request is preempted (its blocks
+freed, to be recomputed later, mostly from the prefix cache) until the older one fits. No new
+request is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cache_service import KVCacheManager
+from cluster.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step catches the request up, so the model samples its next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerPlan:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.kv_cache = kv_cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerPlan:
+        plan = SchedulerPlan()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                plan.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+        if plan.preempted:
+            return plan
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached, num_cached = self.kv_cache.find_cached_prefix(request.request_id, request.token_ids, request.salt)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, cached, request.salt):
+                break
+            self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.running.append(request)
+            plan.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return plan
+
+    def update(self, plan: SchedulerPlan) -> None:
+        """After the workers ran the plan: advance computed counts and cache the blocks that
+        filled up. Finishing is the engine's call (it appends tokens first), via `finish`."""
+        for s in plan.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            self.kv_cache.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)

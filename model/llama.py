@@ -1,0 +1,119 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+Tokens of every sequence in a step are flattened into one dimension, so linear layers see one
+[T, hidden] matrix whatever the mix of prefill chunks and decodes; only attention looks at the
+per-sequence layout, through the AttentionContext.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.attention import AttentionContext, PagedAttention
+from model.config import ModelConfig
+from model.layers import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabEmbedding,
+    silu_and_mul,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp_rank=0, tp_size=1, reduce=None):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_attention_heads,
+            config.num_key_value_heads, config.qkv_bias, tp_rank, tp_size,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size, config.o_bias,
+            tp_rank, tp_size, reduce,
+        )
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), ctx)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank=0, tp_size=1, reduce=None):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], config.mlp_bias, tp_rank, tp_size
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, tp_rank, tp_size, reduce)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp_rank=0, tp_size=1, reduce=None):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, tp_rank, tp_size, reduce)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size, reduce)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, ctx):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our parameter fragment, shard id) for weights we fuse
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp_rank=0, tp_size=1, reduce=None):
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, tp_rank, tp_size, reduce) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else VocabEmbedding(config.vocab_size, config.hidden_size)
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Returns final hidden states [T, hidden]; `compute_logits` runs the head on chosen rows."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return torch.nn.functional.linear(hidden, head.weight).float()

@@ -1,0 +1,62 @@
+"""Load an HF safetensors checkpoint into a model whose parameters know how to load themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from model.config import UnsupportedModelError
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"{model_dir} has no *.safetensors weights")
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                target = _target(name, model.packed_modules)
+                if target is None:
+                    continue
+                param_name, shard_id = target
+                if param_name not in params:
+                    if param_name == "lm_head.weight" and model.lm_head is None:
+                        continue  # tied embeddings: the checkpoint may still carry a copy
+                    raise UnsupportedModelError(f"unexpected weight {name!r} in {file.name}")
+                param = params[param_name]
+                tensor = f.get_tensor(name).to(param.dtype)
+                weight_loader = getattr(param, "weight_loader", _copy_whole)
+                if shard_id is None:
+                    weight_loader(param, tensor)
+                else:
+                    weight_loader(param, tensor, shard_id)
+                loaded.add(f"{param_name}:{shard_id}")
+    missing = [n for n in params if not any(key.startswith(f"{n}:") for key in loaded)]
+    if missing:
+        raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
+
+
+def _copy_whole(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    param.data.copy_(loaded)
+
+
+def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object] | None:
+    if "rotary_emb" in name:
+        return None
+    name = name.removeprefix("model.")
+    for fragment, (fused, shard_id) in packed.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{fused}."), shard_id
+    return name, None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {name!r}")
+    return dtypes[name]

@@ -1,0 +1,132 @@
+"""ModelRunner: the only place that turns a step's sequences into tensors and runs the model.
+
+    [SequenceInput ...] --prepare--> StepTensors (ids, positions, AttentionContext, rows to sample)
+                        --forward--> hidden states --logits of sampled rows--> sample --> tokens
+
+It owns the weights and the KV cache tensors; which blocks a sequence uses is decided outside
+(cache_service's block manager) and arrives as block ids.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.attention import AttentionContext, build_attention_context
+from model.config import ModelConfig
+from model.llama import LlamaForCausalLM
+from model.loader import load_weights
+from model.sampler import SamplingRow, TokenLogprobs, sample
+
+
+@dataclass(slots=True)
+class SequenceInput:
+    new_token_ids: list[int]  # tokens whose KV this step computes
+    num_computed_tokens: int  # tokens already in the cache before them
+    block_ids: list[int]
+    sampling: SamplingRow | None  # None: a prefill chunk that is not the prompt's last
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+@dataclass(slots=True)
+class StepTensors:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    ctx: AttentionContext
+    sample_rows: torch.Tensor  # rows of the hidden states whose logits are sampled
+    order: list[int]  # step order (decodes first) -> index in the caller's list
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int = 1 << 30,
+        max_model_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ):
+        self.config = ModelConfig.from_dir(model_dir)
+        self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
+        self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
+        with torch.device(self.device), _default_dtype(dtype):
+            self.model = LlamaForCausalLM(self.config, self.max_model_len)
+        load_weights(self.model, model_dir)
+        self.model.eval()
+        self.num_blocks = num_blocks or max(1, kv_cache_bytes // self.bytes_per_block)
+        c = self.config
+        # One allocation for all layers: [layers, K/V, blocks, kv_heads, block_size, head_dim]
+        self.kv_cache = torch.zeros(
+            c.num_hidden_layers, 2, self.num_blocks, c.num_key_value_heads, block_size, c.head_dim,
+            dtype=dtype, device=self.device,
+        )
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    @property
+    def bytes_per_block(self) -> int:
+        c = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return c.num_hidden_layers * 2 * c.num_key_value_heads * self.block_size * c.head_dim * elem
+
+    def prepare(self, seqs: list[SequenceInput]) -> StepTensors:
+        # Decodes (one new token) first: attention batches them in one pass.
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].new_token_ids) != 1)
+        ordered = [seqs[i] for i in order]
+        num_decodes = sum(1 for s in ordered if len(s.new_token_ids) == 1)
+        input_ids, positions, sample_rows = [], [], []
+        for s in ordered:
+            input_ids += s.new_token_ids
+            positions += range(s.num_computed_tokens, s.num_computed_tokens + len(s.new_token_ids))
+            if s.sampling is not None:
+                sample_rows.append(len(input_ids) - 1)
+        ctx = build_attention_context(
+            self.block_size,
+            num_decodes,
+            [len(s.new_token_ids) for s in ordered],
+            [s.num_computed_tokens + len(s.new_token_ids) for s in ordered],
+            [s.block_ids for s in ordered],
+            self.device,
+        )
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return StepTensors(as_long(input_ids), as_long(positions), ctx, as_long(sample_rows), order)
+
+    @torch.inference_mode()
+    def forward(self, step: StepTensors) -> torch.Tensor:
+        """The bare model: hidden states -> logits of the rows to sample."""
+        hidden = self.model(step.input_ids, step.positions, step.ctx)
+        return self.model.compute_logits(hidden[step.sample_rows])
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SequenceInput]) -> list[SampledToken | None]:
+        """One step. Returns, per input sequence, its sampled token or None (mid-prefill)."""
+        step = self.prepare(seqs)
+        logits = self.forward(step)
+        sampled_seqs = [i for i in step.order if seqs[i].sampling is not None]
+        token_ids, logprobs = sample(logits, [seqs[i].sampling for i in sampled_seqs])
+        results: list[SampledToken | None] = [None] * len(seqs)
+        for i, token_id, lp in zip(sampled_seqs, token_ids, logprobs):
+            results[i] = SampledToken(token_id, lp)
+        return results
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Build parameters in their final dtype: converting afterwards would replace the Parameter
+    objects and drop their weight_loader attributes."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
