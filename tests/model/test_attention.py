@@ -1,0 +1,49 @@
+"""Paged attention against plain causal attention on contiguous K/V."""
+
+import torch
+import torch.nn.functional as F
+
+from model.attention import PagedAttention, build_attention_context
+
+BLOCK = 4
+HEADS, KV_HEADS, DIM = 6, 2, 8
+
+
+def dense_attention(q, k, v):
+    """q: [n, H, D] for the last n positions of k, v: [L, KV, D]."""
+    n, L = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)
+    mask = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+    return out.transpose(0, 1).reshape(n, -1)
+
+
+def test_mixed_step_matches_dense_attention():
+    torch.manual_seed(0)
+    attn = PagedAttention(HEADS, KV_HEADS, DIM)
+    num_blocks = 32
+    attn.k_cache = torch.zeros(num_blocks, KV_HEADS, BLOCK, DIM)
+    attn.v_cache = torch.zeros(num_blocks, KV_HEADS, BLOCK, DIM)
+    # (context before this step, new tokens): two decodes, a fresh prefill, a chunk after a cached part
+    shapes = [(6, 1), (12, 1), (0, 7), (9, 5)]
+    free = iter(torch.randperm(num_blocks).tolist())  # scattered, unordered blocks
+    tables, full_kv = [], []
+    for cached, new in shapes:
+        total = cached + new
+        table = [next(free) for _ in range(-(-total // BLOCK))]
+        tables.append(table)
+        k, v = torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
+        full_kv.append((k, v))
+        for pos in range(cached):  # what earlier steps wrote
+            attn.k_cache[table[pos // BLOCK], :, pos % BLOCK] = k[pos]
+            attn.v_cache[table[pos // BLOCK], :, pos % BLOCK] = v[pos]
+    ctx = build_attention_context(
+        BLOCK, 2, [n for _, n in shapes], [c + n for c, n in shapes], tables
+    )
+    qs = [torch.randn(n, HEADS, DIM) for _, n in shapes]
+    new_k = torch.cat([k[c:] for (k, _), (c, _) in zip(full_kv, shapes)])
+    new_v = torch.cat([v[c:] for (_, v), (c, _) in zip(full_kv, shapes)])
+    out = attn(torch.cat(qs), new_k, new_v, ctx)
+    expected = torch.cat([dense_attention(q, k, v) for q, (k, v) in zip(qs, full_kv)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
