@@ -51,6 +51,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -116,4 +117,5 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -1,0 +1,48 @@
+"""The oracle: HF transformers greedy decoding on the same model directory, with the gap between
+its top-2 logits at every step so that a divergence can be told apart from a near-tie."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEAR_TIE = 1e-3
+
+
+@dataclass
+class Reference:
+    token_ids: list[int]
+    top2_gaps: list[float]
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> Reference:
+    out = hf_model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    gaps = []
+    for logits in out.logits:
+        top2 = logits[0].float().topk(2).values
+        gaps.append((top2[0] - top2[1]).item())
+    return Reference(tokens, gaps)
+
+
+def compare(ours: list[int], ref: Reference) -> str:
+    """'equal', or 'near-tie' when the first difference is at a step where HF's top-2 logits are
+    within NEAR_TIE (what follows a near-tie is a different, equally valid continuation).
+    Raises AssertionError on any other difference."""
+    for step, (a, b) in enumerate(zip(ours, ref.token_ids)):
+        if a != b:
+            assert ref.top2_gaps[step] < NEAR_TIE, (
+                f"diverged at output token {step}: ours {a}, HF {b}, HF top-2 gap {ref.top2_gaps[step]:.2e}"
+            )
+            return "near-tie"
+    assert len(ours) == len(ref.token_ids), f"lengths differ: ours {len(ours)}, HF {len(ref.token_ids)}"
+    return "equal"

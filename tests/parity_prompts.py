@@ -1,0 +1,56 @@
+"""Varied prompts for parity with HF: chat and raw, short and 2K+ tokens, with shared prefixes.
+Long texts come from Python's own documentation topics, available offline everywhere."""
+
+from pydoc_data.topics import topics
+
+
+def long_document(min_chars: int, start: int = 0) -> str:
+    names = sorted(topics)[start:]
+    text, i = "", 0
+    while len(text) < min_chars:
+        text += topics[names[i]] + "\n"
+        i += 1
+    return text
+
+
+DOC = long_document(9000)  # ~2.3K tokens
+DOC_B = long_document(9000, start=40)
+
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Give me three tips for learning Python.",
+    "Explain what a hash table is in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Romeo and Juliet?",
+    "List the planets of the solar system.",
+]
+
+RAW_PROMPTS = [
+    "The three primary colors are",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village,",
+    "The quick brown fox",
+    "Q: What is the boiling point of water?\nA:",
+    "import numpy as np\n\n# Compute the mean of a list\n",
+]
+
+
+def parity_prompts() -> list[dict]:
+    prompts = [{"messages": [{"role": "user", "content": q}]} for q in CHAT_QUESTIONS]
+    prompts += [{"prompt": p} for p in RAW_PROMPTS]
+    prompts += [
+        {"messages": [{"role": "user", "content": DOC + "\n\nSummarize the text above in one sentence."}]},
+        {"messages": [{"role": "user", "content": DOC + "\n\nWhat is the first topic described above?"}]},
+        {"prompt": DOC_B + "\nIn summary,"},
+        {"prompt": DOC[:3000] + "\nThe most important point is"},
+        {"messages": [
+            {"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Name a prime number."},
+            {"role": "assistant", "content": "7."},
+            {"role": "user", "content": "Another one?"},
+        ]},
+        {"prompt": "Hello"},
+    ]
+    return prompts
