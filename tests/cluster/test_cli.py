@@ -1,0 +1,69 @@
+"""The CLI contract of DESIGN.md §5, run as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PAGODA = [sys.executable, "-m", "cluster.cli"]
+
+
+def run(*args, input=None):
+    return subprocess.run([*PAGODA, *args], capture_output=True, text=True, input=input, timeout=300)
+
+
+def test_model_fetch_prints_the_directory_and_does_nothing_twice(model_dir):
+    result = run("model", "fetch")
+    assert result.returncode == 0
+    assert result.stdout.strip() == model_dir
+    assert result.stderr == ""  # nothing downloaded or converted the second time
+
+
+def test_generate_offline_json_matches_the_engine(model_dir, llm, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [
+        {"prompt": "The capital of France is"},
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    ]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    result = run("generate", "--offline", "--model", model_dir, "--prompts-file", str(prompts),
+                 "--max-tokens", "12", "--temperature", "0", "--json")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["index"] for r in records] == [0, 1]
+    assert set(records[0]) == {"index", "prompt", "text", "token_ids", "finish_reason"}
+    assert records[0]["prompt"] == "The capital of France is"
+    from cluster import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0)
+    assert records[0]["token_ids"] == llm.generate("The capital of France is", params)[0].outputs[0].token_ids
+    chat = llm.chat(lines[1]["messages"], params)[0].outputs[0]
+    assert records[1]["token_ids"] == chat.token_ids and records[1]["text"] == chat.text
+    assert "Paris" in records[1]["text"] and records[1]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "content, args, message",
+    [
+        ("not json\n", [], "line 1: not JSON"),
+        ('{"text": "x"}\n', [], 'needs "prompt" or "messages"'),
+        ('{"prompt": ""}\n', [], "prompt: must not be empty"),
+        ('{"prompt": "hi"}\n', ["--temperature", "-1"], "temperature: must be a finite number >= 0"),
+        ('{"prompt": "hi"}\n', ["--max-tokens", "0"], "max_tokens: must be an integer >= 1"),
+    ],
+)
+def test_generate_bad_input_is_a_clear_error(model_dir, tmp_path, content, args, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(content)
+    result = run("generate", "--offline", "--model", model_dir, "--prompts-file", str(prompts), *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_on_a_directory_that_is_not_a_model(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    result = run("generate", "--offline", "--model", str(tmp_path), "--prompts-file", str(prompts))
+    assert result.returncode != 0 and "no config.json" in result.stderr and "Traceback" not in result.stderr
