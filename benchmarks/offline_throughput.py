@@ -1,0 +1,157 @@
+"""Offline throughput: Pagoda's engine vs HF transformers, same prompts, same machine, one run.
+
+    python benchmarks/offline_throughput.py [--num-prompts 32] [--max-tokens 128]
+
+Measures
+  * Pagoda: all prompts submitted at once, continuous batching (output tok/s, wall clock incl. prefill)
+  * HF sequential: one prompt at a time with model.generate (a subset; tok/s is a rate)
+  * HF static batch: all prompts in one left-padded batch with model.generate
+  * engine step vs bare forward: median time of a full engine step on a decode batch of all
+    prompts, vs the model forward + LM head alone on the very same batch tensors
+Every request generates exactly --max-tokens tokens (ignore_eos) so all three do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cluster import LLM, SamplingParams
+from cluster.model_fetch import fetch_default_model
+from model.runner import SequenceInput
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain recursion briefly.",
+    "Give me three tips for learning Python.", "What causes rain?", "Describe a cat to a child.",
+    "Why is the sky blue?", "Name five fruits.", "What is photosynthesis?", "Tell me a joke.",
+    "How do airplanes fly?", "What is a prime number?", "Summarize the plot of Cinderella.",
+    "What does a CPU do?", "How do I boil an egg?", "What is the speed of light?",
+]
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    prompts = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else " Answer in detail.")
+        prompts.append(list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]))
+    return prompts
+
+
+def bench_pagoda(model_dir, prompts, max_tokens):
+    llm = LLM(model_dir, max_num_seqs=len(prompts))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"seconds": elapsed, "output_tokens": num_tokens, "output_tok_s": num_tokens / elapsed}, llm
+
+
+def bench_step_vs_forward(llm, prompts, num_steps=20):
+    """Run all prompts to the decode phase, then time engine steps and bare forwards alternately."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    step_times, forward_times = [], []
+    for _ in range(num_steps):
+        running = engine.scheduler.running
+        assert len(running) == len(prompts)
+        seqs = [
+            SequenceInput([r.token_ids[-1]], r.num_tokens - 1, engine.kv_cache.block_ids(r.request_id), None)
+            for r in running
+        ]
+        step = engine.runner.prepare(seqs)
+        step.sample_rows = torch.arange(len(seqs))  # the LM head runs on every row, as in a real decode step
+        t0 = time.perf_counter()
+        engine.runner.forward(step)  # recomputes the same K/V into the same slots: harmless
+        t1 = time.perf_counter()
+        engine.step()
+        t2 = time.perf_counter()
+        forward_times.append(t1 - t0)
+        step_times.append(t2 - t1)
+    for i in range(len(prompts)):
+        engine.abort_request(f"s{i}")
+    step, forward = statistics.median(step_times), statistics.median(forward_times)
+    return {"batch": len(prompts), "step_ms": step * 1e3, "forward_ms": forward * 1e3, "ratio": step / forward}
+
+
+def bench_hf_sequential(hf, prompts, max_tokens):
+    start, num_tokens = time.perf_counter(), 0
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                          min_new_tokens=max_tokens, do_sample=False)
+        num_tokens += out.shape[1] - len(p)
+    elapsed = time.perf_counter() - start
+    return {"prompts": len(prompts), "seconds": elapsed, "output_tokens": num_tokens, "output_tok_s": num_tokens / elapsed}
+
+
+def bench_hf_static(hf, tokenizer, prompts, max_tokens):
+    width = max(len(p) for p in prompts)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                      do_sample=False, pad_token_id=pad)
+    elapsed = time.perf_counter() - start
+    num_tokens = (out.shape[1] - width) * len(prompts)
+    return {"batch": len(prompts), "seconds": elapsed, "output_tokens": num_tokens, "output_tok_s": num_tokens / elapsed}
+
+
+def machine() -> dict:
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor())
+    nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+    return {"cpu": cpu, "nproc": nproc, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--hf-sequential-prompts", type=int, default=4, help="HF one-at-a-time is slow: a subset")
+    parser.add_argument("--out", default="benchmarks/results/offline_throughput.json")
+    args = parser.parse_args()
+    model_dir = args.model or str(fetch_default_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = chat_prompts(tokenizer, args.num_prompts)
+
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "num_prompts": len(prompts),
+               "max_tokens": args.max_tokens, "mean_prompt_tokens": statistics.mean(map(len, prompts))}
+    results["pagoda"], llm = bench_pagoda(model_dir, prompts, args.max_tokens)
+    print("pagoda", results["pagoda"], flush=True)
+    results["step_vs_forward"] = bench_step_vs_forward(llm, prompts)
+    print("step vs forward", results["step_vs_forward"], flush=True)
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        results["hf_sequential"] = bench_hf_sequential(hf, prompts[: args.hf_sequential_prompts], args.max_tokens)
+        print("hf sequential", results["hf_sequential"], flush=True)
+        results["hf_static_batch"] = bench_hf_static(hf, tokenizer, prompts, args.max_tokens)
+        print("hf static", results["hf_static_batch"], flush=True)
+    pagoda = results["pagoda"]["output_tok_s"]
+    results["ratios"] = {
+        "vs_hf_sequential": pagoda / results["hf_sequential"]["output_tok_s"],
+        "vs_hf_static_batch": pagoda / results["hf_static_batch"]["output_tok_s"],
+    }
+    print(json.dumps(results, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
