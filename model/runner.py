@@ -55,6 +55,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        quantization: str | None = None,
     ):
         self.config = ModelConfig.from_dir(model_dir)
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
@@ -62,6 +63,12 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(dtype):
             self.model = LlamaForCausalLM(self.config, self.max_model_len)
         load_weights(self.model, model_dir)
+        if quantization == "int8":
+            if self.device.type != "cpu":
+                raise ValueError("quantization='int8' runs on the CPU only")
+            self.model.quantize_int8()
+        elif quantization is not None:
+            raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
         self.model.eval()
         self.num_blocks = num_blocks or max(1, kv_cache_bytes // self.bytes_per_block)
         c = self.config

@@ -43,6 +43,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             dtype=parse_dtype(config.dtype),
             device=config.device,
+            quantization=config.quantization,
         )
         self.model_config = self.runner.config
         # A single request must always fit in the cache, or preempting it could never help.
@@ -149,18 +150,21 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        seqs = [
-            SequenceInput(
-                new_token_ids=s.request.token_ids[
-                    s.request.num_computed_tokens : s.request.num_computed_tokens + s.num_new_tokens
-                ],
-                num_computed_tokens=s.request.num_computed_tokens,
-                block_ids=self.kv_cache.block_ids(s.request.request_id),
-                sampling=self._sampling_row(s.request) if s.samples else None,
+        return self.update(plan, self.runner.execute(self.build_inputs(plan)))
+
+    def build_inputs(self, plan: SchedulerPlan) -> list[SequenceInput]:
+        inputs = []
+        for s in plan.scheduled:
+            request, start = s.request, s.request.num_computed_tokens
+            inputs.append(
+                SequenceInput(
+                    new_token_ids=request.token_ids[start : start + s.num_new_tokens],
+                    num_computed_tokens=start,
+                    block_ids=self.kv_cache.block_ids(request.request_id),
+                    sampling=self._sampling_row(request) if s.samples else None,
+                )
             )
-            for s in plan.scheduled
-        ]
-        return self.update(plan, self.runner.execute(seqs))
+        return inputs
 
     def update(self, plan: SchedulerPlan, sampled: list[SampledToken | None]) -> list[RequestDelta]:
         self.scheduler.update(plan)
@@ -226,4 +230,4 @@ def _check_messages(messages) -> None:
 def _model_identity(model_dir: Path, config: EngineConfig) -> str:
     """What makes a KV page reusable: the same weights layout and numerics."""
     digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
-    return f"{model_dir.name}:{digest}:{config.dtype}:bs{config.block_size}"
+    return f"{model_dir.name}:{digest}:{config.dtype}:{config.quantization or 'noquant'}:bs{config.block_size}"

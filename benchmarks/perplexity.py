@@ -1,0 +1,59 @@
+"""Perplexity of the engine's model on offline text (Python's documentation topics), fp32 vs int8
+weights, through Pagoda's own ModelRunner (paged attention, chunked in windows).
+
+    python benchmarks/perplexity.py [--tokens 8192] [--window 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from cluster.model_fetch import fetch_default_model
+from model.runner import ModelRunner, SequenceInput
+from tests.parity_prompts import long_document
+
+
+@torch.inference_mode()
+def perplexity(runner: ModelRunner, token_ids: list[int], window: int) -> float:
+    """Mean negative log-likelihood over independent windows, each prefilled in one step."""
+    nll, count = 0.0, 0
+    blocks = list(range(-(-window // runner.block_size)))
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = token_ids[start : start + window + 1]
+        if len(chunk) < 2:
+            break
+        step = runner.prepare([SequenceInput(chunk[:-1], 0, blocks, None)])
+        step.sample_rows = torch.arange(len(chunk) - 1)
+        logprobs = torch.log_softmax(runner.forward(step), dim=-1)
+        targets = torch.tensor(chunk[1:])
+        nll -= logprobs[torch.arange(len(targets)), targets].sum().item()
+        count += len(targets)
+    return math.exp(nll / count)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--window", type=int, default=1024)
+    args = parser.parse_args()
+    model_dir = args.model or str(fetch_default_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    token_ids = tokenizer(long_document(args.tokens * 5, start=20))["input_ids"][: args.tokens]
+    results = {"date": time.strftime("%Y-%m-%d"), "tokens": len(token_ids), "window": args.window}
+    for quantization in (None, "int8"):
+        runner = ModelRunner(model_dir, num_blocks=-(-args.window // 16), quantization=quantization)
+        results[quantization or "fp32"] = perplexity(runner, token_ids, args.window)
+        print(quantization or "fp32", results[quantization or "fp32"], flush=True)
+    results["int8_vs_fp32"] = results["int8"] / results["fp32"]
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
