@@ -117,34 +117,29 @@ class LinearBase(nn.Module):
 
 
 class Int8Weight:
-    """A linear weight quantized to int8 per output channel, run by fbgemm's dynamic-int8 GEMM
-    (activations are quantized per call, accumulation in int32). On CPUs with VNNI it is about four
-    times faster than fp32 at decode batch sizes, because decode is bound by reading the weights;
-    its cost in quality is measured in docs/benchmarks.md. CPU only."""
+    """A linear weight in int8, one scale per output channel, multiplied by activations that are
+    quantized to int8 per token (one scale per row) at each call; torch._int_mm accumulates in
+    int32. Per-token scales keep one token's outliers (the first token's are huge) from costing the
+    others their precision, and keep a request's numbers independent of its batch neighbours.
+    Decode is bound by reading weights, so a quarter of the bytes is most of the speed-up; the cost
+    in quality is measured in docs/benchmarks.md. CPU only."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         weight = weight.float()
-        scales = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127).double()
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-        qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
+        self.scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127  # [out]
+        # [in, out] laid out column-major: the layout _int_mm's CPU kernel reads fastest
+        self.qweight = torch.round(weight / self.scale[:, None]).to(torch.int8).t()
+        self.bias = None if bias is None else bias.float()
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x.float(), self.packed, _REDUCE_RANGE).to(x.dtype)
-
-
-def _cpu_has_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
-
-
-# Without VNNI, fbgemm's u8*s8 products can saturate int16 unless activations keep to 7 bits;
-# with VNNI the full 8 bits are safe (and perplexity is much better: see docs/benchmarks.md).
-_REDUCE_RANGE = not _cpu_has_vnni()
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, shape[-1]).float()
+        x_scale = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-8) / 127
+        qx = torch.round(x / x_scale).to(torch.int8)
+        out = torch._int_mm(qx, self.qweight).float().mul_(x_scale).mul_(self.scale)
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*shape[:-1], -1).to(dtype)
 
 
 class ReplicatedLinear(LinearBase):
