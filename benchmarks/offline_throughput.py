@@ -44,9 +44,9 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def bench_pagoda(model_dir, prompts, max_tokens):
-    llm = LLM(model_dir, max_num_seqs=len(prompts))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def bench_pagoda(model_dir, prompts, max_tokens, fixed_length, quantization=None):
+    llm = LLM(model_dir, max_num_seqs=len(prompts), quantization=quantization)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=fixed_length)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -84,28 +84,37 @@ def bench_step_vs_forward(llm, prompts, num_steps=20):
     return {"batch": len(prompts), "step_ms": step * 1e3, "forward_ms": forward * 1e3, "ratio": step / forward}
 
 
-def bench_hf_sequential(hf, prompts, max_tokens):
+def bench_hf_sequential(hf, prompts, max_tokens, fixed_length):
     start, num_tokens = time.perf_counter(), 0
     for p in prompts:
         ids = torch.tensor([p])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                          min_new_tokens=max_tokens, do_sample=False)
+                          min_new_tokens=max_tokens if fixed_length else 0, do_sample=False)
         num_tokens += out.shape[1] - len(p)
     elapsed = time.perf_counter() - start
     return {"prompts": len(prompts), "seconds": elapsed, "output_tokens": num_tokens, "output_tok_s": num_tokens / elapsed}
 
 
-def bench_hf_static(hf, tokenizer, prompts, max_tokens):
+def bench_hf_static(hf, tokenizer, prompts, max_tokens, fixed_length):
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     start = time.perf_counter()
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                      do_sample=False, pad_token_id=pad)
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
+                      min_new_tokens=max_tokens if fixed_length else 0, do_sample=False, pad_token_id=pad)
     elapsed = time.perf_counter() - start
-    num_tokens = (out.shape[1] - width) * len(prompts)
+    # Useful tokens only: a finished row keeps producing padding until the longest one ends.
+    num_tokens = sum(_useful_length(row[width:].tolist(), hf.generation_config.eos_token_id) for row in out)
     return {"batch": len(prompts), "seconds": elapsed, "output_tokens": num_tokens, "output_tok_s": num_tokens / elapsed}
+
+
+def _useful_length(tokens: list[int], eos) -> int:
+    eos = set(eos if isinstance(eos, list) else [eos])
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return i + 1
+    return len(tokens)
 
 
 def machine() -> dict:
@@ -121,33 +130,39 @@ def main():
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--hf-sequential-prompts", type=int, default=4, help="HF one-at-a-time is slow: a subset")
-    parser.add_argument("--out", default="benchmarks/results/offline_throughput.json")
+    parser.add_argument("--natural-stop", action="store_true",
+                        help="stop at EOS (lengths vary) instead of exactly --max-tokens per request")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    fixed = not args.natural_stop
     model_dir = args.model or str(fetch_default_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = chat_prompts(tokenizer, args.num_prompts)
 
     results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "num_prompts": len(prompts),
-               "max_tokens": args.max_tokens, "mean_prompt_tokens": statistics.mean(map(len, prompts))}
-    results["pagoda"], llm = bench_pagoda(model_dir, prompts, args.max_tokens)
-    print("pagoda", results["pagoda"], flush=True)
-    results["step_vs_forward"] = bench_step_vs_forward(llm, prompts)
-    print("step vs forward", results["step_vs_forward"], flush=True)
-    del llm
+               "max_tokens": args.max_tokens, "workload": "fixed-length" if fixed else "natural-stop",
+               "mean_prompt_tokens": statistics.mean(map(len, prompts))}
+    for quantization in (None, "int8"):
+        name = f"pagoda_{quantization or 'fp32'}"
+        results[name], llm = bench_pagoda(model_dir, prompts, args.max_tokens, fixed, quantization)
+        print(name, results[name], flush=True)
+        results[f"step_vs_forward_{quantization or 'fp32'}"] = bench_step_vs_forward(llm, prompts)
+        print("step vs forward", results[f"step_vs_forward_{quantization or 'fp32'}"], flush=True)
+        del llm
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
-        results["hf_sequential"] = bench_hf_sequential(hf, prompts[: args.hf_sequential_prompts], args.max_tokens)
+        results["hf_sequential"] = bench_hf_sequential(hf, prompts[: args.hf_sequential_prompts], args.max_tokens, fixed)
         print("hf sequential", results["hf_sequential"], flush=True)
-        results["hf_static_batch"] = bench_hf_static(hf, tokenizer, prompts, args.max_tokens)
+        results["hf_static_batch"] = bench_hf_static(hf, tokenizer, prompts, args.max_tokens, fixed)
         print("hf static", results["hf_static_batch"], flush=True)
-    pagoda = results["pagoda"]["output_tok_s"]
     results["ratios"] = {
-        "vs_hf_sequential": pagoda / results["hf_sequential"]["output_tok_s"],
-        "vs_hf_static_batch": pagoda / results["hf_static_batch"]["output_tok_s"],
+        f"{name}_vs_{peer}": results[name]["output_tok_s"] / results[peer]["output_tok_s"]
+        for name in ("pagoda_fp32", "pagoda_int8") for peer in ("hf_sequential", "hf_static_batch")
     }
     print(json.dumps(results, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    out = Path(args.out or f"benchmarks/results/offline_throughput_{results['workload']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

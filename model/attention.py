@@ -113,8 +113,8 @@ class PagedAttention:
     def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         num_seqs, seq_of_block = q.shape[0], ctx.decode_block_seq
         # [NB, kv_heads, block_size, head_dim] for the blocks read; [NB, kv_heads, head_dim, group] queries
-        k = self.k_cache[ctx.decode_block_ids]
-        v = self.v_cache[ctx.decode_block_ids]
+        k = torch.index_select(self.k_cache, 0, ctx.decode_block_ids)  # faster than k_cache[ids] on CPU
+        v = torch.index_select(self.v_cache, 0, ctx.decode_block_ids)
         q = q.view(num_seqs, self.num_kv_heads, self.group, self.head_dim) * self.scale
         scores = torch.matmul(k, q[seq_of_block].transpose(-1, -2))  # [NB, kv_heads, block_size, group]
         scores = scores.masked_fill(~ctx.decode_valid, float("-inf"))
@@ -132,8 +132,8 @@ class PagedAttention:
     def _prefill(self, q: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
         n, ctx_len = chunk.num_queries, chunk.context_len
         # [kv_heads, context_len, head_dim] from the sequence's blocks, in order
-        k = self.k_cache[chunk.block_ids].transpose(0, 1).flatten(1, 2)[:, :ctx_len]
-        v = self.v_cache[chunk.block_ids].transpose(0, 1).flatten(1, 2)[:, :ctx_len]
+        k = torch.index_select(self.k_cache, 0, chunk.block_ids).transpose(0, 1).flatten(1, 2)[:, :ctx_len]
+        v = torch.index_select(self.v_cache, 0, chunk.block_ids).transpose(0, 1).flatten(1, 2)[:, :ctx_len]
         q = q.transpose(0, 1)  # [heads, n, head_dim]
         if ctx_len == n:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -30,7 +30,7 @@ class TokenLogprobs:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [S, vocab] float32, one row per entry of `rows`."""
-    token_ids = logits.argmax(dim=-1)
+    token_ids = logits.max(dim=-1).indices  # the first maximum, as argmax; faster on CPU
     random_rows = [i for i, row in enumerate(rows) if row.temperature > 0]
     if random_rows:
         index = torch.tensor(random_rows)
