@@ -1,5 +1,6 @@
 """Perplexity of the engine's model on offline text (Python's documentation topics), fp32 vs int8
-weights, through Pagoda's own ModelRunner (paged attention, chunked in windows).
+weights, through Pagoda's own ModelRunner (paged attention, chunked in windows), with HF
+transformers on the same windows as the reference.
 
     python benchmarks/perplexity.py [--tokens 8192] [--window 1024]
 """
@@ -37,6 +38,22 @@ def perplexity(runner: ModelRunner, token_ids: list[int], window: int) -> float:
     return math.exp(nll / count)
 
 
+@torch.inference_mode()
+def hf_perplexity(model_dir: str, token_ids: list[int], window: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = token_ids[start : start + window + 1]
+        if len(chunk) < 2:
+            break
+        logprobs = torch.log_softmax(hf(torch.tensor([chunk[:-1]])).logits[0].float(), dim=-1)
+        nll -= logprobs[torch.arange(len(chunk) - 1), torch.tensor(chunk[1:])].sum().item()
+        count += len(chunk) - 1
+    return math.exp(nll / count)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None)
@@ -51,6 +68,7 @@ def main():
         runner = ModelRunner(model_dir, num_blocks=-(-args.window // 16), quantization=quantization)
         results[quantization or "fp32"] = perplexity(runner, token_ids, args.window)
         print(quantization or "fp32", results[quantization or "fp32"], flush=True)
+    results["hf_fp32"] = hf_perplexity(model_dir, token_ids, args.window)
     results["int8_vs_fp32"] = results["int8"] / results["fp32"]
     print(json.dumps(results, indent=2))
 

@@ -46,9 +46,11 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
+@click.option("--quantization", type=click.Choice(["int8"]), default=None,
+              help="int8 weights (CPU): faster decode, not bit-equal to HF (see docs/benchmarks.md).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 def generate(offline, model_dir, prompts_file, max_tokens, temperature, top_p, top_k, seed, stop,
-             ignore_eos, max_num_batched_tokens, as_json) -> None:
+             ignore_eos, max_num_batched_tokens, quantization, as_json) -> None:
     """Generate for every prompt of a JSONL file, all prompts batched together."""
     from cluster import LLM, InvalidRequestError, SamplingParams
     from cluster.model_fetch import fetch_default_model
@@ -63,7 +65,7 @@ def generate(offline, model_dir, prompts_file, max_tokens, temperature, top_p, t
             stop=list(stop), ignore_eos=ignore_eos,
         )
         llm = LLM(model_dir or str(fetch_default_model(log=lambda m: click.echo(m, err=True))),
-                  max_num_batched_tokens=max_num_batched_tokens)
+                  max_num_batched_tokens=max_num_batched_tokens, quantization=quantization)
         encoded = [
             llm.engine.encode_prompt(messages=p["messages"]) if "messages" in p else llm.engine.encode_prompt(p["prompt"])
             for p in prompts

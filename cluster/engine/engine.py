@@ -76,20 +76,23 @@ class LLMEngine:
             token_ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, list):
             token_ids = prompt
-            vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-                raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {vocab})")
         else:
             raise InvalidRequestError("prompt", "give a prompt string, token ids or messages")
+        self.check_prompt(token_ids)
+        return token_ids
+
+    def check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise InvalidRequestError("prompt", "encodes to no tokens")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
                 f"has {len(token_ids)} tokens; the context holds {self.max_model_len} "
                 "including at least one generated token",
             )
-        return token_ids
 
     def add_request(
         self,
@@ -100,8 +103,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        if not prompt_token_ids or len(prompt_token_ids) >= self.max_model_len:
-            self.encode_prompt(prompt_token_ids)  # raises the same errors as for text
+        self.check_prompt(prompt_token_ids)
         eos = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
