@@ -21,15 +21,13 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.errors import InvalidRequestError
 from cluster.engine.outputs import RequestDelta
+from cluster.engine.prompt import PromptEncoder
 from cluster.engine.request import FinishReason, Request
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerPlan
 from model.loader import parse_dtype
 from model.runner import ModelRunner, SampledToken, SequenceInput
 from model.sampler import SamplingRow
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -49,6 +47,7 @@ class LLMEngine:
         # A single request must always fit in the cache, or preempting it could never help.
         self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * config.block_size)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.prompts = PromptEncoder(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.model_identity = _model_identity(model_dir, config)
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, config.block_size, self.model_identity, config.enable_prefix_caching
@@ -61,38 +60,7 @@ class LLMEngine:
     # ---- input ---------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
-        """Token ids as HF would make them: `tokenizer(prompt)` for raw text, the chat template
-        with a generation prompt for messages."""
-        if messages is not None:
-            _check_messages(messages)
-            try:
-                encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            except Exception as e:  # a template may raise on roles or orders it does not allow
-                raise InvalidRequestError("messages", f"the chat template rejected them: {e}") from None
-            token_ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-        elif isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            token_ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, list):
-            token_ids = prompt
-        else:
-            raise InvalidRequestError("prompt", "give a prompt string, token ids or messages")
-        self.check_prompt(token_ids)
-        return token_ids
-
-    def check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("prompt", "encodes to no tokens")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"has {len(token_ids)} tokens; the context holds {self.max_model_len} "
-                "including at least one generated token",
-            )
+        return self.prompts.encode(prompt, messages)
 
     def add_request(
         self,
@@ -103,7 +71,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        self.check_prompt(prompt_token_ids)
+        self.prompts.check(prompt_token_ids)
         eos = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
@@ -217,16 +185,6 @@ class LLMEngine:
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
-
-
-def _check_messages(messages) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise InvalidRequestError(f"messages[{i}].content", "must be a string")
 
 
 def _model_identity(model_dir: Path, config: EngineConfig) -> str:

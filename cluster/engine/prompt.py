@@ -1,0 +1,58 @@
+"""PromptEncoder: text or chat messages -> token ids exactly as HF makes them, and the checks a
+prompt must pass. The engine uses it, and so does the ingress, which tokenizes before it queues."""
+
+from __future__ import annotations
+
+from cluster.engine.errors import InvalidRequestError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        """`tokenizer(prompt)` for raw text, the chat template with a generation prompt for
+        messages, or token ids as given; then `check`."""
+        if messages is not None:
+            check_messages(messages)
+            try:
+                encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except Exception as e:  # a template may raise on roles or orders it does not allow
+                raise InvalidRequestError("messages", f"the chat template rejected them: {e}") from None
+            token_ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            token_ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, list):
+            token_ids = prompt
+        else:
+            raise InvalidRequestError("prompt", "give a prompt string, token ids or messages")
+        self.check(token_ids)
+        return token_ids
+
+    def check(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt", "encodes to no tokens")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"has {len(token_ids)} tokens; the context holds {self.max_model_len} "
+                "including at least one generated token",
+            )
+
+
+def check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise InvalidRequestError(f"messages[{i}].content", "must be a string")
