@@ -24,7 +24,8 @@ class SamplingRow:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    logprob: float  # of the sampled token
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability
     top: list[tuple[int, float]]  # the num_logprobs most likely tokens, most likely first
 
 
@@ -72,5 +73,5 @@ def _logprobs(logits: torch.Tensor, token_ids: list[int], rows: list[SamplingRow
     for j, i in enumerate(wanted):
         k = rows[i].num_logprobs
         top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist())) if k else []
-        result[i] = TokenLogprobs(logprobs[j, token_ids[i]].item(), top)
+        result[i] = TokenLogprobs(token_ids[i], logprobs[j, token_ids[i]].item(), top)
     return result

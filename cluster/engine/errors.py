@@ -6,3 +6,6 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+    def __reduce__(self):  # errors cross Ray processes: rebuild with both arguments
+        return type(self), (self.field, self.message)

@@ -1,0 +1,78 @@
+"""build_app: the Serve application (Ingress -> LLMServer), from a config dict.
+
+    serve run cluster.serve.app:build_app model=/path/to/model
+    serve run serve_config.yaml          # the same builder, args from the YAML
+    pagoda serve                         # starts Ray + Serve with gRPC and HTTP, then this
+
+Deployment options (replicas, max_ongoing_requests, autoscaling, resources) come from the config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+from cluster.serve.ingress import Ingress, build_fastapi_app
+from cluster.serve.llm_server import LLMServer
+
+GRPC_SERVICER = "protos.inference_pb2_grpc.add_InferenceServicer_to_server"
+
+
+class DeploymentOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int | str | None = Field(None, description='a count, or "auto" with autoscaling_config')
+    max_ongoing_requests: int | None = None
+    autoscaling_config: dict[str, Any] | None = None
+    ray_actor_options: dict[str, Any] | None = None
+
+    def as_kwargs(self) -> dict:
+        return self.model_dump(exclude_none=True)
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="HF model directory; default: the fetched default model")
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options")
+    max_waiting_requests: int = Field(256, ge=1, description="beyond this, new requests get 429 / RESOURCE_EXHAUSTED")
+    request_timeout_s: float | None = Field(600.0, gt=0, description="server-side deadline of a request")
+    torch_threads: int | None = Field(None, description="torch threads of the engine (default: torch's choice)")
+    llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
+        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}))
+    ingress: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
+        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0}))
+
+
+def build_app(args: dict | None = None):
+    config = AppConfig.model_validate(_parse_cli_args(args or {}))
+    model = config.model
+    if model is None:
+        from cluster.model_fetch import fetch_default_model
+
+        model = str(fetch_default_model())
+    llm_server = serve.deployment(LLMServer, name="LLMServer", **config.llm_server.as_kwargs()).bind(
+        engine_config={"model": model, **config.engine},
+        max_waiting_requests=config.max_waiting_requests,
+        request_timeout_s=config.request_timeout_s,
+        torch_threads=config.torch_threads,
+    )
+    ingress_cls = serve.ingress(build_fastapi_app)(Ingress)
+    return serve.deployment(ingress_cls, name="Ingress", **config.ingress.as_kwargs()).bind(llm_server)
+
+
+def _parse_cli_args(args: dict) -> dict:
+    """`serve run ... key=value` passes strings; nested keys use dots (engine.max_num_seqs=32)."""
+    import yaml
+
+    parsed: dict = {}
+    for key, value in args.items():
+        value = yaml.safe_load(value) if isinstance(value, str) else value
+        target = parsed
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    return parsed

@@ -1,0 +1,73 @@
+"""protos.inference_pb2 <-> internal types. The only module that reads or builds those messages."""
+
+from __future__ import annotations
+
+from cluster.engine.errors import InvalidRequestError
+from cluster.engine.outputs import RequestDelta
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serve.errors import UnsupportedInputError
+from protos import inference_pb2 as pb
+
+
+def sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
+    has = sampling.HasField
+    return SamplingParams(
+        n=sampling.n if has("n") else 1,
+        max_tokens=sampling.max_tokens if has("max_tokens") else 16,
+        temperature=sampling.temperature if has("temperature") else 1.0,
+        top_p=sampling.top_p if has("top_p") else 1.0,
+        top_k=sampling.top_k if has("top_k") else 0,
+        seed=sampling.seed if has("seed") else None,
+        stop=list(sampling.stop),
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs if has("logprobs") else None,
+    )
+
+
+def prompt_or_messages(request: pb.GenerateRequest) -> tuple[str | None, list[dict] | None]:
+    """Exactly one of prompt and messages; messages flattened to {role, content} text."""
+    if request.prompt and request.messages:
+        raise InvalidRequestError("prompt", "give either prompt or messages, not both")
+    if not request.messages:
+        if not request.prompt:
+            raise InvalidRequestError("prompt", "must not be empty (or give messages)")
+        return request.prompt, None
+    messages = []
+    for i, message in enumerate(request.messages):
+        texts = []
+        for j, part in enumerate(message.parts):
+            kind = part.WhichOneof("content")
+            if kind in ("image", "audio"):
+                raise UnsupportedInputError(
+                    f"messages[{i}].parts[{j}].{kind}", f"{kind} parts need a multimodal model; this server serves text only"
+                )
+            if kind is None:
+                raise InvalidRequestError(f"messages[{i}].parts[{j}]", "is empty: set text, image or audio")
+            texts.append(part.text)
+        messages.append({"role": message.role, "content": "".join(texts)})
+    return None, messages
+
+
+def response(delta: RequestDelta) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        index=delta.index,
+        text=delta.new_text,
+        token_ids=delta.new_token_ids,
+        finish_reason=delta.finish_reason or "",
+        prompt_tokens=delta.num_prompt_tokens,
+        logprobs=[
+            pb.TokenLogprob(
+                token_id=lp.token_id, logprob=lp.logprob,
+                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            )
+            for lp in delta.new_logprobs
+        ],
+    )
+
+
+def model_info(info: dict) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model_id=info["model_id"], max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
+        block_size=info["block_size"], num_kv_blocks=info["num_kv_blocks"],
+    )

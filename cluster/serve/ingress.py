@@ -1,0 +1,273 @@
+"""Ingress: the wire formats in and out. gRPC methods (called by Serve's gRPC proxy by name) and
+OpenAI routes (FastAPI) share one path:
+
+    wire request -> validate + tokenize (PromptEncoder) -> GenerationRequest
+      -> LLMServer.generate over a streaming deployment handle -> RequestDelta stream -> wire
+
+Errors are mapped in one table (`_error_kind`) to HTTP status + OpenAI error JSON and to gRPC
+status codes; a client never sees a stack trace.
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see real types on the route methods.
+import asyncio
+import json
+import logging
+import uuid
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from cluster.engine.errors import InvalidRequestError
+from cluster.engine.prompt import PromptEncoder
+from cluster.serve import grpc_convert
+from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError, UnsupportedInputError
+from cluster.serve.llm_server import GenerationRequest
+from cluster.serve.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    error_body,
+    sampling_params,
+)
+from protos import inference_pb2 as pb
+
+logger = logging.getLogger("pagoda.ingress")
+
+def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
+    """(HTTP status, OpenAI error type, gRPC code, message) for an exception."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the original as .cause
+    if isinstance(cause, UnsupportedInputError):
+        return 400, "invalid_request_error", grpc.StatusCode.UNIMPLEMENTED, str(cause)
+    if isinstance(cause, (InvalidRequestError, ValidationError)):
+        return 400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, str(cause)
+    if isinstance(cause, (EngineOverloadedError, BackPressureError)):
+        return 429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause) or "overloaded; retry later"
+    if isinstance(cause, (RequestTimeoutError, TimeoutError)):
+        return 504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED, str(cause) or "timed out"
+    if isinstance(cause, (DeploymentUnavailableError, RayActorError)):
+        return 503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, "the model server is unavailable; retry later"
+    logger.exception("internal error", exc_info=exc)
+    return 500, "internal_error", grpc.StatusCode.INTERNAL, "internal error"
+
+
+def _field(exc: BaseException) -> str | None:
+    cause = getattr(exc, "cause", None) or exc
+    return getattr(cause, "field", None)
+
+
+class Ingress:
+    def __init__(self, llm_server, model_name: str | None = None):
+        self.llm = llm_server  # DeploymentHandle to LLMServer
+        self.model_name = model_name
+        self._encoder: PromptEncoder | None = None
+        self._info: dict | None = None
+        self._init_lock = asyncio.Lock()
+
+    async def _ready(self) -> PromptEncoder:
+        """Ask the LLMServer what it serves once, then tokenize here, off the engine's thread."""
+        if self._encoder is None:
+            async with self._init_lock:
+                if self._encoder is None:
+                    info = await self.llm.model_info.remote()
+                    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, info["model_dir"])
+                    self.model_name = self.model_name or info["model_id"]
+                    self._info = info
+                    self._encoder = PromptEncoder(tokenizer, info["vocab_size"], info["max_model_len"])
+        return self._encoder
+
+    async def _submit(self, prompt, messages, params, timeout_s: float | None = None):
+        """Validate, tokenize, and start streaming deltas. The first delta is awaited here, so
+        errors that happen before any output (overload, bad input) raise before a response starts."""
+        encoder = await self._ready()
+        token_ids = encoder.encode(prompt, messages)
+        request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s)
+        deltas = self.llm.options(stream=True).generate.remote(request)
+        first = await deltas.__anext__()
+        return first, deltas
+
+    # ---- gRPC (method names are the RPC names) ---------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context):
+        try:
+            prompt, messages = grpc_convert.prompt_or_messages(request)
+            params = grpc_convert.sampling_params(request.sampling)
+            first, deltas = await self._submit(prompt, messages, params)
+        except Exception as e:
+            self._set_grpc_error(grpc_context, e)
+            raise
+        yield grpc_convert.response(first)
+        if first.finished and params.n == 1:
+            return
+        try:
+            async for delta in deltas:
+                yield grpc_convert.response(delta)
+        except Exception as e:
+            self._set_grpc_error(grpc_context, e)
+            raise
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
+        await self._ready()
+        return grpc_convert.model_info(self._info)
+
+    async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
+        try:
+            await self._ready()
+            return pb.HealthResponse(healthy=True, status="ok")
+        except Exception as e:  # the proxy must get an answer, not an error
+            return pb.HealthResponse(healthy=False, status=_error_kind(e)[3])
+
+    @staticmethod
+    def _set_grpc_error(grpc_context, exc: BaseException) -> None:
+        _, _, code, message = _error_kind(exc)
+        grpc_context.set_code(code)
+        grpc_context.set_details(message)
+
+    # ---- OpenAI HTTP ------------------------------------------------------------------------
+
+    async def health(self):
+        await self._ready()
+        return {"status": "ok"}
+
+    async def models(self):
+        await self._ready()
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "pagoda",
+            "max_model_len": self._info["max_model_len"],
+        }]}
+
+    async def stats(self):
+        return await self.llm.stats.remote()
+
+    async def completions(self, raw: Request):
+        return await self._openai(raw, CompletionRequest, "completion")
+
+    async def chat_completions(self, raw: Request):
+        return await self._openai(raw, ChatCompletionRequest, "chat")
+
+    async def _openai(self, raw: Request, model_cls, kind: str):
+        try:
+            await self._ready()
+        except Exception as e:
+            status, kind_name, _, message = _error_kind(e)
+            return _http_error(status, message, kind_name)
+        try:
+            body = json.loads(await raw.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _http_error(400, f"the body is not valid JSON: {e}", "invalid_request_error")
+        try:
+            request = model_cls.model_validate(body)
+            prompt, messages, params, want_logprobs = self._openai_inputs(request, kind)
+            first, deltas = await self._submit(prompt, messages, params)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(p) for p in err["loc"])
+            return _http_error(400, f"{param}: {err['msg']}", "invalid_request_error", param)
+        except Exception as e:
+            status, kind_name, _, message = _error_kind(e)
+            headers = {"Retry-After": "1"} if status == 429 else None
+            return _http_error(status, message, kind_name, _field(e), headers)
+        builder = ResponseBuilder(kind, self.model_name, params.n, self._decode_token)
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return StreamingResponse(
+                self._sse(first, deltas, builder, want_logprobs, include_usage, params.n),
+                media_type="text/event-stream",
+            )
+        builder.add(first)
+        remaining = params.n - (1 if first.finished else 0)
+        try:
+            if remaining:
+                async for delta in deltas:
+                    builder.add(delta)
+        except Exception as e:
+            status, kind_name, _, message = _error_kind(e)
+            return _http_error(status, message, kind_name)
+        return builder.final(want_logprobs)
+
+    def _openai_inputs(self, request, kind: str):
+        if kind == "completion":
+            logprobs = request.logprobs
+            params = sampling_params(request, 16, logprobs)
+            return request.prompt, None, params, logprobs is not None
+        messages = []
+        for i, m in enumerate(request.messages):
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if part.type != "text":
+                        raise UnsupportedInputError(f"messages[{i}].content[{j}]", f"{part.type} parts need a multimodal model")
+                content = "".join(part.text or "" for part in m.content)
+            else:
+                content = m.content or ""
+            messages.append({"role": m.role, "content": content})
+        if request.max_completion_tokens is not None and request.max_tokens is None:
+            request.max_tokens = request.max_completion_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        # Chat answers run until EOS by default, bounded by the context like OpenAI's API.
+        params = sampling_params(request, self._info["max_model_len"], logprobs)
+        return None, messages, params, request.logprobs
+
+    def _decode_token(self, token_id: int) -> str:
+        return self._encoder.tokenizer.decode([token_id])
+
+    async def _sse(self, first, deltas, builder, want_logprobs, include_usage, n):
+        def event(payload) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
+
+        builder.add(first)
+        yield event(builder.chunk(first, want_logprobs))
+        try:
+            if not (first.finished and n == 1):
+                async for delta in deltas:
+                    builder.add(delta)
+                    yield event(builder.chunk(delta, want_logprobs))
+        except Exception as e:  # the status line has gone out: report in the stream, then end it
+            status, kind_name, _, message = _error_kind(e)
+            yield event(error_body(message, kind_name))
+            return
+        if include_usage:
+            yield event(builder.usage_chunk())
+        yield "data: [DONE]\n\n"
+
+
+def _http_error(status: int, message: str, kind: str, param: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
+
+
+def build_fastapi_app() -> FastAPI:
+    """The HTTP routes, built inside the replica (serve.ingress is given this function): each
+    route calls the replica's Ingress instance. Building the app there avoids shipping a FastAPI
+    app object through Ray's pickling."""
+    from ray import serve
+
+    app = FastAPI(title="Pagoda", description="OpenAI-compatible API of Pagoda")
+
+    def ingress() -> Ingress:
+        return serve.get_replica_context().servable_object
+
+    @app.get("/health")
+    async def health():
+        return await ingress().health()
+
+    @app.get("/v1/models")
+    async def models():
+        return await ingress().models()
+
+    @app.get("/v1/pagoda/stats")
+    async def stats():
+        return await ingress().stats()
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await ingress().completions(raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await ingress().chat_completions(raw)
+
+    return app

@@ -1,0 +1,189 @@
+"""LLMServer: one engine, driven by a thread, shared by every concurrent caller.
+
+    generate() (asyncio, one per request) ──inbox──> engine thread: add / abort / deadlines / step
+         ^                                                        │
+         └──────── per-request asyncio.Queue <── deltas ──────────┘
+
+The engine is single-threaded, so only the engine thread touches it; callers talk to it through a
+thread-safe inbox and receive deltas on their own asyncio queue. A caller that goes away (client
+cancel, disconnect) aborts its request in `finally`, which frees its blocks on the next loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine import LLMEngine
+from cluster.engine.outputs import RequestDelta
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """What the ingress hands to the LLMServer: already tokenized and validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    timeout_s: float | None = None
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    deadline: float | None
+    num_unfinished: int
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class LLMServer:
+    def __init__(
+        self,
+        engine_config: dict,
+        max_waiting_requests: int = 256,
+        request_timeout_s: float | None = 600.0,
+        torch_threads: int | None = None,
+    ):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.engine = LLMEngine(EngineConfig(**engine_config))
+        self.max_waiting_requests = max_waiting_requests
+        self.request_timeout_s = request_timeout_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called by the ingress (through a deployment handle) -------------------------------
+
+    async def generate(self, request: GenerationRequest):
+        """Yields RequestDelta objects until every candidate has finished."""
+        # The inbox is a fair count of what the engine thread has not taken yet.
+        if self._inbox.qsize() + len(self.engine.scheduler.waiting) >= self.max_waiting_requests:
+            raise EngineOverloadedError(f"more than {self.max_waiting_requests} requests are waiting; retry later")
+        self.engine.prompts.check(request.prompt_token_ids)
+        timeout = request.timeout_s or self.request_timeout_s
+        stream = _Stream(
+            asyncio.get_running_loop(), asyncio.Queue(),
+            time.monotonic() + timeout if timeout else None, request.params.n,
+        )
+        request_id = f"{request.request_id}-{next(self._ids)}"  # unique even if a client reuses ids
+        self._send(("add", request_id, request, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    stream.num_unfinished -= 1
+                    if stream.num_unfinished == 0:
+                        finished = True
+                        return
+        finally:
+            if not finished:
+                self._send(("abort", request_id))
+
+    def model_info(self) -> dict:
+        engine = self.engine
+        return {
+            "model_id": engine.model_identity.split(":")[0],
+            "model_dir": engine.config.model,
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.model_config.vocab_size,
+            "block_size": engine.config.block_size,
+            "num_kv_blocks": engine.num_blocks,
+            "eos_token_ids": list(engine.model_config.eos_token_ids),
+        }
+
+    def stats(self) -> dict:
+        engine, pool = self.engine, self.engine.kv_cache.pool
+        return {
+            "num_running": len(engine.scheduler.running),
+            "num_waiting": len(engine.scheduler.waiting),
+            "num_streams": len(self._streams),
+            "kv_blocks_total": engine.num_blocks,
+            "kv_blocks_free": engine.num_free_blocks,
+            "kv_usage": pool.usage,
+            "prefix_cache_hit_rate": pool.stats.hit_rate,
+            "num_preemptions": engine.scheduler.num_preemptions,
+        }
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; a dead engine thread makes the replica unhealthy."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine thread has stopped")
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _send(self, message) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped:
+            self._drain_inbox()
+            self._expire_deadlines()
+            if not engine.has_unfinished_requests():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            for delta in engine.step():
+                self._deliver(delta)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "add":
+                _, request_id, request, stream = message
+                try:
+                    self.engine.add_request(request_id, request.prompt_token_ids, request.params)
+                except Exception as e:  # invalid input: the caller gets the error, the loop goes on
+                    stream.put(e)
+                    continue
+                self._streams[request_id] = stream
+            else:
+                _, request_id = message
+                self.engine.abort_request(request_id)
+                self._streams.pop(request_id, None)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for request_id, stream in list(self._streams.items()):
+            if stream.deadline is not None and now > stream.deadline:
+                self.engine.abort_request(request_id)
+                del self._streams[request_id]
+                stream.put(RequestTimeoutError("the request ran past its deadline and was stopped"))
+
+    def _deliver(self, delta: RequestDelta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is None:
+            return
+        stream.put(delta)
+        if delta.finished and not self.engine.is_active(delta.request_id):
+            del self._streams[delta.request_id]  # every candidate has finished
