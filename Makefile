@@ -1,11 +1,12 @@
-# make serve: fresh clone -> .venv -> install -> default model -> demo (the server arrives with issue 3)
+# make serve: fresh clone -> .venv -> install -> default model -> Pagoda on a local Ray cluster
+#             (gRPC :9000, OpenAI HTTP :8000; prints "pagoda ready ..."; Ctrl-C stops it and Ray)
 # make test:  fresh clone -> .venv -> install -> default model -> the whole test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test bench clean
+.PHONY: install model serve demo test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ model: $(STAMP)
 	$(BIN)/pagoda model fetch
 
 serve: model
+	$(BIN)/pagoda serve --config serve_config.yaml
+
+demo: model
 	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
 
 test: model

@@ -144,6 +144,18 @@ class Ingress:
     async def stats(self):
         return await self.llm.stats.remote()
 
+    async def status(self):
+        """Deployments and their replicas (from Serve) plus the engine's statistics."""
+        from ray import serve
+
+        app_status = serve.status().applications.get("pagoda")
+        deployments = {
+            name: {"status": str(d.status.value if hasattr(d.status, "value") else d.status),
+                   "replicas": dict(d.replica_states)}
+            for name, d in (app_status.deployments.items() if app_status else [])
+        }
+        return {"deployments": deployments, "engine": await self.llm.stats.remote(), "model": self.model_name}
+
     async def completions(self, raw: Request):
         return await self._openai(raw, CompletionRequest, "completion")
 
@@ -261,6 +273,10 @@ def build_fastapi_app() -> FastAPI:
     @app.get("/v1/pagoda/stats")
     async def stats():
         return await ingress().stats()
+
+    @app.get("/v1/pagoda/status")
+    async def status():
+        return await ingress().status()
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
