@@ -42,3 +42,29 @@ def llm(model_dir):
     from cluster import LLM
 
     return LLM(model_dir, num_blocks=1024)
+
+
+SERVER_HTTP_PORT, SERVER_GRPC_PORT = 18000, 19000
+
+
+@pytest.fixture(scope="session")
+def server(model_dir):
+    """One real local Ray cluster + Serve (gRPC and HTTP proxies) with Pagoda, for the session."""
+    from cluster.serve import launcher
+
+    args = {
+        "model": model_dir,
+        "engine": {"kv_cache_bytes": 256 << 20, "max_num_seqs": 16},
+        "max_waiting_requests": 32,
+        # short, so that a stream whose cancellation Serve's gRPC proxy drops still ends soon
+        "request_timeout_s": 20,
+        "torch_threads": 2,
+        "llm_server": {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 1}},
+    }
+    info = launcher.start(args, SERVER_HTTP_PORT, SERVER_GRPC_PORT, num_cpus=2)
+    yield {
+        "http": f"http://127.0.0.1:{SERVER_HTTP_PORT}",
+        "grpc": f"127.0.0.1:{SERVER_GRPC_PORT}",
+        "model": info["id"],
+    }
+    launcher.stop()

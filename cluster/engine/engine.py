@@ -113,10 +113,6 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
 
-    def is_active(self, request_id: str) -> bool:
-        """Whether any candidate of the request is still waiting or running."""
-        return request_id in self._requests
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

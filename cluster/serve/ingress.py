@@ -36,12 +36,40 @@ from protos import inference_pb2 as pb
 
 logger = logging.getLogger("pagoda.ingress")
 
+# Serve's gRPC proxy accepts large messages; Pagoda caps a request (images come later) here.
+MAX_GRPC_REQUEST_BYTES = 4 << 20
+
+
+class RequestTooLargeError(ValueError):
+    """The request is larger than the server accepts (413 / RESOURCE_EXHAUSTED)."""
+
+class _AbortOnExit:
+    """Iterates a delta stream; if the iteration ends early (client cancel, disconnect), tells the
+    LLMServer to abort, so a lost cancellation can never leave a request running."""
+
+    def __init__(self, deltas, request_id: str, abort, done: bool):
+        self._deltas, self._request_id, self._abort, self._done = deltas, request_id, abort, done
+
+    async def __aiter__(self):
+        if self._done:
+            return
+        try:
+            async for delta in self._deltas:
+                yield delta
+            self._done = True
+        finally:
+            if not self._done:
+                self._abort(self._request_id)
+
+
 def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
     """(HTTP status, OpenAI error type, gRPC code, message) for an exception."""
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
     cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the original as .cause
+    if isinstance(cause, RequestTooLargeError):
+        return 413, "invalid_request_error", grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause)
     if isinstance(cause, UnsupportedInputError):
         return 400, "invalid_request_error", grpc.StatusCode.UNIMPLEMENTED, str(cause)
     if isinstance(cause, (InvalidRequestError, ValidationError)):
@@ -88,13 +116,24 @@ class Ingress:
         token_ids = encoder.encode(prompt, messages)
         request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s)
         deltas = self.llm.options(stream=True).generate.remote(request)
-        first = await deltas.__anext__()
-        return first, deltas
+        try:
+            first = await deltas.__anext__()
+        except asyncio.CancelledError:
+            self._abort(request.request_id)
+            raise
+        return first, _AbortOnExit(deltas, request.request_id, self._abort, done=first.finished and params.n == 1)
+
+    def _abort(self, request_id: str) -> None:
+        self.llm.abort.remote(request_id)
 
     # ---- gRPC (method names are the RPC names) ---------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context):
         try:
+            if request.ByteSize() > MAX_GRPC_REQUEST_BYTES:
+                raise RequestTooLargeError(
+                    f"the request is {request.ByteSize()} bytes; the cap is {MAX_GRPC_REQUEST_BYTES} bytes"
+                )
             prompt, messages = grpc_convert.prompt_or_messages(request)
             params = grpc_convert.sampling_params(request.sampling)
             first, deltas = await self._submit(prompt, messages, params)
@@ -102,8 +141,6 @@ class Ingress:
             self._set_grpc_error(grpc_context, e)
             raise
         yield grpc_convert.response(first)
-        if first.finished and params.n == 1:
-            return
         try:
             async for delta in deltas:
                 yield grpc_convert.response(delta)
@@ -188,15 +225,13 @@ class Ingress:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(
-                self._sse(first, deltas, builder, want_logprobs, include_usage, params.n),
+                self._sse(first, deltas, builder, want_logprobs, include_usage),
                 media_type="text/event-stream",
             )
         builder.add(first)
-        remaining = params.n - (1 if first.finished else 0)
         try:
-            if remaining:
-                async for delta in deltas:
-                    builder.add(delta)
+            async for delta in deltas:
+                builder.add(delta)
         except Exception as e:
             status, kind_name, _, message = _error_kind(e)
             return _http_error(status, message, kind_name)
@@ -227,17 +262,16 @@ class Ingress:
     def _decode_token(self, token_id: int) -> str:
         return self._encoder.tokenizer.decode([token_id])
 
-    async def _sse(self, first, deltas, builder, want_logprobs, include_usage, n):
+    async def _sse(self, first, deltas, builder, want_logprobs, include_usage):
         def event(payload) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
         builder.add(first)
         yield event(builder.chunk(first, want_logprobs))
         try:
-            if not (first.finished and n == 1):
-                async for delta in deltas:
-                    builder.add(delta)
-                    yield event(builder.chunk(delta, want_logprobs))
+            async for delta in deltas:
+                builder.add(delta)
+                yield event(builder.chunk(delta, want_logprobs))
         except Exception as e:  # the status line has gone out: report in the stream, then end it
             status, kind_name, _, message = _error_kind(e)
             yield event(error_body(message, kind_name))

@@ -42,7 +42,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     deadline: float | None
-    num_unfinished: int
+    num_unfinished: int  # candidates still to finish (engine thread only)
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -84,7 +84,7 @@ class LLMServer:
         )
         request_id = f"{request.request_id}-{next(self._ids)}"  # unique even if a client reuses ids
         self._send(("add", request_id, request, stream))
-        finished = False
+        finished, num_unfinished = False, request.params.n
         try:
             while True:
                 item = await stream.queue.get()
@@ -93,13 +93,18 @@ class LLMServer:
                     raise item
                 yield item
                 if item.finished:
-                    stream.num_unfinished -= 1
-                    if stream.num_unfinished == 0:
+                    num_unfinished -= 1
+                    if num_unfinished == 0:
                         finished = True
                         return
         finally:
             if not finished:
                 self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request by the id its GenerationRequest carried (the ingress calls this when its
+        client goes away, in case the cancellation did not travel down the handle)."""
+        self._send(("abort_external", request_id))
 
     def model_info(self) -> dict:
         engine = self.engine
@@ -167,10 +172,15 @@ class LLMServer:
                     stream.put(e)
                     continue
                 self._streams[request_id] = stream
-            else:
+            elif message[0] == "abort":
                 _, request_id = message
                 self.engine.abort_request(request_id)
                 self._streams.pop(request_id, None)
+            else:  # "abort_external": every stream started for that external id
+                prefix = f"{message[1]}-"
+                for request_id in [r for r in self._streams if r.startswith(prefix)]:
+                    self.engine.abort_request(request_id)
+                    self._streams.pop(request_id).put(asyncio.CancelledError())
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -185,5 +195,7 @@ class LLMServer:
         if stream is None:
             return
         stream.put(delta)
-        if delta.finished and not self.engine.is_active(delta.request_id):
-            del self._streams[delta.request_id]  # every candidate has finished
+        if delta.finished:
+            stream.num_unfinished -= 1  # the engine thread's own count; the caller keeps another
+            if stream.num_unfinished == 0:
+                del self._streams[delta.request_id]

@@ -1,0 +1,280 @@
+"""Pagoda over a real local Ray cluster and Ray Serve's own proxies: gRPC and the OpenAI API."""
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import requests
+from openai import OpenAI
+
+from cluster import SamplingParams
+from protos import inference_pb2 as pb
+from protos import inference_pb2_grpc as pb_grpc
+from tests.parity_prompts import CHAT_QUESTIONS
+
+GREEDY = dict(max_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    channel = grpc.insecure_channel(server["grpc"])
+    yield pb_grpc.InferenceStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server['http']}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline_answers(llm):
+    """The offline engine's greedy answers: what the server must say too."""
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in CHAT_QUESTIONS], SamplingParams(**GREEDY))
+    return [o.outputs[0] for o in outputs]
+
+
+def chat_request(question: str, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=[pb.Message(role="user", parts=[pb.Part(text=question)])],
+        sampling=pb.SamplingParams(**{**GREEDY, **sampling}),
+    )
+
+
+def collect(responses):
+    text, token_ids, finish = "", [], None
+    for r in responses:
+        text += r.text
+        token_ids += list(r.token_ids)
+        finish = r.finish_reason or finish
+    return text, token_ids, finish
+
+
+def engine_stats(server) -> dict:
+    return requests.get(f"{server['http']}/v1/pagoda/stats", timeout=10).json()
+
+
+def wait_idle(server, timeout_s=5.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine_stats(server)
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+# ---- gRPC ------------------------------------------------------------------------------------
+
+
+def test_grpc_streams_the_offline_engines_greedy_answer(stub, offline_answers):
+    responses = list(stub.Generate(chat_request(CHAT_QUESTIONS[0])))
+    assert len(responses) > 3  # streamed, not one message
+    text, token_ids, finish = collect(responses)
+    assert text == offline_answers[0].text and token_ids == offline_answers[0].token_ids
+    assert finish == offline_answers[0].finish_reason
+    assert all(r.finish_reason == "" for r in responses[:-1])
+
+
+def test_grpc_model_info_and_health(stub, server):
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.model_id == server["model"] and info.vocab_size == 49152 and info.block_size == 16
+    assert stub.Health(pb.HealthRequest()).healthy
+
+
+def test_grpc_raw_prompt_n2_and_logprobs(stub):
+    request = pb.GenerateRequest(
+        prompt="Once upon a time",
+        sampling=pb.SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=2, logprobs=2),
+    )
+    by_index = {0: [], 1: []}
+    for r in stub.Generate(request):
+        by_index[r.index].append(r)
+    for responses in by_index.values():
+        assert responses[-1].finish_reason == "length"
+        assert sum(len(r.token_ids) for r in responses) == 8
+        assert all(len(lp.top) == 2 for r in responses for lp in r.logprobs)
+    assert collect(by_index[0])[1] != collect(by_index[1])[1]
+
+
+# ---- OpenAI HTTP -----------------------------------------------------------------------------
+
+
+def test_openai_chat_and_completions_equal_the_offline_engine(client, llm, offline_answers):
+    chat = client.chat.completions.create(
+        model="pagoda", messages=[{"role": "user", "content": CHAT_QUESTIONS[1]}], **GREEDY)
+    assert chat.choices[0].message.content == offline_answers[1].text
+    assert chat.usage.completion_tokens == len(offline_answers[1].token_ids)
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model="pagoda", messages=[{"role": "user", "content": CHAT_QUESTIONS[2]}], stream=True, **GREEDY)
+        if chunk.choices
+    )
+    assert streamed == offline_answers[2].text
+    expected = llm.generate("The capital of France is", SamplingParams(**GREEDY))[0].outputs[0].text
+    completion = client.completions.create(model="pagoda", prompt="The capital of France is", **GREEDY)
+    assert completion.choices[0].text == expected
+    chunks = list(client.completions.create(
+        model="pagoda", prompt="The capital of France is", stream=True, stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
+
+
+def test_openai_n2_and_stop(client):
+    out = client.chat.completions.create(
+        model="pagoda", messages=[{"role": "user", "content": "Tell me a story."}],
+        n=2, max_tokens=12, temperature=1.0, seed=11)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.choices[0].message.content != out.choices[1].message.content
+    full = client.completions.create(model="pagoda", prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0)
+    text = full.choices[0].text
+    stop = text[6:9]
+    cut = client.completions.create(model="pagoda", prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_models_and_health(server):
+    models = requests.get(f"{server['http']}/v1/models", timeout=10).json()
+    assert models["data"][0]["id"] == server["model"]
+    assert requests.get(f"{server['http']}/health", timeout=10).status_code == 200
+
+
+# ---- concurrency, cancellation, overload -----------------------------------------------------
+
+
+def test_16_concurrent_streams_each_get_their_own_answer(stub, offline_answers, server):
+    questions = (CHAT_QUESTIONS * 2)[:16]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda q: collect(stub.Generate(chat_request(q))), questions))
+    for i, (text, token_ids, finish) in enumerate(results):
+        expected = offline_answers[i % len(CHAT_QUESTIONS)]
+        assert token_ids == expected.token_ids, f"stream {i} got another answer"
+        assert text == expected.text
+    assert wait_idle(server)["num_running"] == 0
+
+
+def test_cancelled_streams_free_everything(stub, server):
+    """20 streams cancelled at random points. HTTP disconnects free their blocks within about a
+    second. Serve 2.60's gRPC proxy drops some cancellations (its streaming generator catches
+    GeneratorExit: "async generator ignored GeneratorExit"), so a cancelled gRPC stream may run on
+    until the server-side deadline (20 s here) stops it; both must end with everything freed."""
+    total = engine_stats(server)["kv_blocks_total"]
+    rng = random.Random(0)
+
+    def grpc_cancel(i):
+        call = stub.Generate(chat_request(f"Write a long essay about topic {i}.", max_tokens=2000, ignore_eos=True))
+        for _ in range(rng.randint(1, 15)):
+            next(call)
+        call.cancel()
+
+    def http_disconnect(i):
+        with requests.post(f"{server['http']}/v1/completions", stream=True, timeout=60, json={
+                "prompt": f"Essay number {i}:", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= rng.randint(1, 15):
+                    break  # closing the response drops the connection
+
+    with ThreadPoolExecutor(10) as pool:
+        list(pool.map(http_disconnect, range(10)))
+    stats = wait_idle(server, timeout_s=1.5)
+    assert stats["num_running"] == 0 and stats["num_streams"] == 0 and stats["kv_blocks_free"] == total
+    with ThreadPoolExecutor(10) as pool:
+        list(pool.map(grpc_cancel, range(10)))
+    stats = wait_idle(server, timeout_s=25.0)
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_streams"] == 0
+    assert stats["kv_blocks_free"] == total
+
+
+def test_overload_is_refused_fast_with_429_and_resource_exhausted(stub, server):
+    def http_call(i):
+        start = time.monotonic()
+        r = requests.post(f"{server['http']}/v1/completions", timeout=120,
+                          json={"prompt": f"Request {i} says", "max_tokens": 2, "temperature": 0})
+        return r.status_code, r.headers.get("retry-after"), time.monotonic() - start, r.json()
+
+    def grpc_call(i):
+        start = time.monotonic()
+        try:
+            collect(stub.Generate(pb.GenerateRequest(prompt=f"Call {i} says", sampling=pb.SamplingParams(max_tokens=2))))
+            return "OK", time.monotonic() - start
+        except grpc.RpcError as e:
+            return e.code().name, time.monotonic() - start
+
+    with ThreadPoolExecutor(96) as pool:
+        http_futures = [pool.submit(http_call, i) for i in range(64)]
+        grpc_futures = [pool.submit(grpc_call, i) for i in range(64)]
+        http_results = [f.result() for f in http_futures]
+        grpc_results = [f.result() for f in grpc_futures]
+    codes = [status for status, *_ in http_results]
+    assert set(codes) <= {200, 429}, codes
+    assert 429 in codes and 200 in codes
+    for status, retry_after, seconds, body in http_results:
+        if status == 429:
+            assert retry_after == "1" and body["error"]["type"] == "rate_limit_error"
+            assert seconds < 5.0
+    grpc_codes = [code for code, _ in grpc_results]
+    assert set(grpc_codes) <= {"OK", "RESOURCE_EXHAUSTED"}, grpc_codes
+    assert "RESOURCE_EXHAUSTED" in grpc_codes
+    assert wait_idle(server, 10)["kv_blocks_free"] == engine_stats(server)["kv_blocks_total"]
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+        ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ("completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ("completions", {"prompt": ""}, "prompt"),
+        ("completions", {"prompt": "hello " * 9000}, "prompt"),
+        ("completions", {"max_tokens": 3}, "prompt"),
+        ("chat/completions", {"messages": "hi"}, "messages"),
+        ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ],
+)
+def test_http_bad_input_is_400_naming_the_field(server, path, body, param):
+    r = requests.post(f"{server['http']}/v1/{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param or error["message"].startswith(param), error
+    assert "Traceback" not in r.text
+
+
+def test_http_malformed_json_is_400(server):
+    r = requests.post(f"{server['http']}/v1/chat/completions", data=b"{not json", timeout=30,
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "request_, code, details",
+    [
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "INVALID_ARGUMENT", "max_tokens"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=float("nan"))), "INVALID_ARGUMENT", "temperature"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "INVALID_ARGUMENT", "top_p"),
+        (pb.GenerateRequest(prompt=""), "INVALID_ARGUMENT", "prompt"),
+        (pb.GenerateRequest(prompt="hello " * 9000), "INVALID_ARGUMENT", "prompt"),
+        (pb.GenerateRequest(messages=[pb.Message(role="user", parts=[pb.Part(image=b"\x89PNG")])]), "UNIMPLEMENTED", "image"),
+        (pb.GenerateRequest(messages=[pb.Message(role="wizard", parts=[pb.Part(text="hi")])]), "INVALID_ARGUMENT", "role"),
+        (pb.GenerateRequest(prompt="x" * (5 << 20)), "RESOURCE_EXHAUSTED", "the cap is 4194304 bytes"),
+    ],
+)
+def test_grpc_bad_input_gets_the_right_code(stub, request_, code, details):
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub.Generate(request_))
+    assert err.value.code().name == code
+    assert details in (err.value.details() or "")
+    assert "Traceback" not in (err.value.details() or "")
