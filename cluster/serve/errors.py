@@ -9,6 +9,10 @@ class RequestTimeoutError(RuntimeError):
     """The request ran past its deadline and was stopped (504 / DEADLINE_EXCEEDED)."""
 
 
+class RequestTooLargeError(ValueError):
+    """The request is larger than the server accepts (413 / RESOURCE_EXHAUSTED)."""
+
+
 class UnsupportedInputError(ValueError):
     """A well-formed input this server cannot handle yet, e.g. image parts (UNIMPLEMENTED / 400)."""
 

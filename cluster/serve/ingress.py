@@ -23,7 +23,12 @@ from transformers import AutoTokenizer
 from cluster.engine.errors import InvalidRequestError
 from cluster.engine.prompt import PromptEncoder
 from cluster.serve import grpc_convert
-from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError, UnsupportedInputError
+from cluster.serve.errors import (
+    EngineOverloadedError,
+    RequestTimeoutError,
+    RequestTooLargeError,
+    UnsupportedInputError,
+)
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
@@ -38,10 +43,6 @@ logger = logging.getLogger("pagoda.ingress")
 
 # Serve's gRPC proxy accepts large messages; Pagoda caps a request (images come later) here.
 MAX_GRPC_REQUEST_BYTES = 4 << 20
-
-
-class RequestTooLargeError(ValueError):
-    """The request is larger than the server accepts (413 / RESOURCE_EXHAUSTED)."""
 
 class _AbortOnExit:
     """Iterates a delta stream; if the iteration ends early (client cancel, disconnect), tells the

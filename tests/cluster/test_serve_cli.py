@@ -1,0 +1,88 @@
+"""`pagoda serve` (what `make serve` runs) and `serve run serve_config.yaml`, as users run them:
+each starts its own local Ray cluster, answers, and on Ctrl-C leaves no process behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+import requests
+
+from protos import inference_pb2 as pb
+from protos import inference_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def stop_and_check_nothing_is_left(proc: subprocess.Popen, children: list[psutil.Process]) -> None:
+    assert children, "the server started no Ray processes?"
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=90)
+    time.sleep(2)
+    alive = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [" ".join(p.cmdline()[:3]) for p in alive]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the server exited"
+        try:
+            if requests.get(url, timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(url)
+
+
+def test_pagoda_serve_prints_ready_answers_and_ctrl_c_stops_ray(model_dir, tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "applications:\n  - name: pagoda\n    args:\n      engine: {kv_cache_bytes: 134217728}\n"
+        "      llm_server: {ray_actor_options: {num_cpus: 0}}\n"
+    )
+    proc = subprocess.Popen(
+        [str(BIN / "pagoda"), "serve", "--model", model_dir, "--config", str(config),
+         "--http-port", "18200", "--grpc-port", "19200", "--num-cpus", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, cwd=ROOT,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "pagoda ready grpc=127.0.0.1:19200 http=127.0.0.1:18200 model=SmolLM2-135M-Instruct"
+        r = requests.post("http://127.0.0.1:18200/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20, "temperature": 0})
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        stop_and_check_nothing_is_left(proc, descendants(proc.pid))
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_serve_run_with_the_checked_in_config(model_dir):
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    proc = subprocess.Popen(
+        [str(BIN / "serve"), "run", "serve_config.yaml"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT, env=env,
+    )
+    try:
+        wait_http("http://127.0.0.1:8000/health", proc)
+        with grpc.insecure_channel("127.0.0.1:9000") as channel:
+            responses = list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(
+                prompt="The capital of France is", sampling=pb.SamplingParams(max_tokens=5, temperature=0))))
+        assert responses[-1].finish_reason == "length"
+        stop_and_check_nothing_is_left(proc, descendants(proc.pid))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
