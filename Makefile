@@ -30,7 +30,10 @@ test: model
 	$(BIN)/python -m pytest -q tests
 
 bench: model
-	$(BIN)/python benchmarks/offline_throughput.py
+	$(BIN)/python -m benchmarks.offline_throughput
+	$(BIN)/python -m benchmarks.offline_throughput --natural-stop --max-tokens 256
+	$(BIN)/python -m benchmarks.perplexity
+	$(BIN)/python -m benchmarks.serving_latency
 
 clean:
 	rm -rf $(VENV)

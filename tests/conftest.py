@@ -44,7 +44,7 @@ def llm(model_dir):
     return LLM(model_dir, num_blocks=1024)
 
 
-SERVER_HTTP_PORT, SERVER_GRPC_PORT = 18000, 19000
+SERVER_HTTP_PORT, SERVER_GRPC_PORT, SERVER_METRICS_PORT = 18000, 19000, 18080
 
 
 @pytest.fixture(scope="session")
@@ -61,8 +61,9 @@ def server(model_dir):
         "torch_threads": 2,
         "llm_server": {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 1}},
     }
-    info = launcher.start(args, SERVER_HTTP_PORT, SERVER_GRPC_PORT, num_cpus=2)
+    info = launcher.start(args, SERVER_HTTP_PORT, SERVER_GRPC_PORT, num_cpus=2, metrics_port=SERVER_METRICS_PORT)
     yield {
+        "metrics": f"http://127.0.0.1:{SERVER_METRICS_PORT}/metrics",
         "http": f"http://127.0.0.1:{SERVER_HTTP_PORT}",
         "grpc": f"127.0.0.1:{SERVER_GRPC_PORT}",
         "model": info["id"],

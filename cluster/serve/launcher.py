@@ -32,6 +32,7 @@ def start(
     address: str | None = None,
     num_cpus: int | None = None,
     ready_timeout_s: float = 300.0,
+    metrics_port: int | None = None,
 ) -> dict:
     """Deploys and blocks until /health answers; returns the model info. Ray stays up."""
     import ray
@@ -44,7 +45,10 @@ def start(
         else:
             # A new local cluster ("local": never attach to another one found on this machine),
             # bound to loopback, without the dashboard (~0.9 GB less memory).
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+            ray.init(
+                address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                _metrics_export_port=metrics_port,  # Prometheus scrapes Pagoda's metrics here
+            )
     serve.start(
         http_options=HTTPOptions(host="127.0.0.1", port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),

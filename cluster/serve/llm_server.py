@@ -25,6 +25,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError
+from cluster.serve.metrics import EngineMetrics, start_gpu_telemetry
 
 
 @dataclass(slots=True)
@@ -43,6 +44,10 @@ class _Stream:
     queue: asyncio.Queue
     deadline: float | None
     num_unfinished: int  # candidates still to finish (engine thread only)
+    arrival: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -66,6 +71,8 @@ class LLMServer:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._ids = itertools.count()
         self._stopped = False
+        self.metrics = EngineMetrics(self.model_info()["model_id"])
+        start_gpu_telemetry()
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
 
@@ -78,9 +85,10 @@ class LLMServer:
             raise EngineOverloadedError(f"more than {self.max_waiting_requests} requests are waiting; retry later")
         self.engine.prompts.check(request.prompt_token_ids)
         timeout = request.timeout_s or self.request_timeout_s
+        now = time.monotonic()
         stream = _Stream(
-            asyncio.get_running_loop(), asyncio.Queue(),
-            time.monotonic() + timeout if timeout else None, request.params.n,
+            asyncio.get_running_loop(), asyncio.Queue(), now + timeout if timeout else None,
+            request.params.n, arrival=now,
         )
         request_id = f"{request.request_id}-{next(self._ids)}"  # unique even if a client reuses ids
         self._send(("add", request_id, request, stream))
@@ -157,6 +165,7 @@ class LLMServer:
                 continue
             for delta in engine.step():
                 self._deliver(delta)
+            self.metrics.record_engine(self.stats())
 
     def _drain_inbox(self) -> None:
         while True:
@@ -172,6 +181,7 @@ class LLMServer:
                     stream.put(e)
                     continue
                 self._streams[request_id] = stream
+                self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
             elif message[0] == "abort":
                 _, request_id = message
                 self.engine.abort_request(request_id)
@@ -195,7 +205,23 @@ class LLMServer:
         if stream is None:
             return
         stream.put(delta)
+        self._record_latency(stream, delta)
         if delta.finished:
             stream.num_unfinished -= 1  # the engine thread's own count; the caller keeps another
             if stream.num_unfinished == 0:
                 del self._streams[delta.request_id]
+
+    def _record_latency(self, stream: _Stream, delta: RequestDelta) -> None:
+        now, m = time.monotonic(), self.metrics
+        m.generation_tokens.inc(len(delta.new_token_ids))
+        if stream.first_token is None:
+            stream.first_token = now
+            m.ttft.observe(now - stream.arrival)
+        else:
+            m.itl.observe(now - stream.last_token)
+        stream.last_token = now
+        stream.num_tokens += len(delta.new_token_ids)
+        if delta.finished and stream.num_unfinished == 1:  # the last candidate: the request ends
+            m.e2e.observe(now - stream.arrival)
+            if stream.num_tokens > 1:
+                m.tpot.observe((now - stream.first_token) / (stream.num_tokens - 1))

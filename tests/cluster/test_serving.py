@@ -278,3 +278,27 @@ def test_grpc_bad_input_gets_the_right_code(stub, request_, code, details):
     assert err.value.code().name == code
     assert details in (err.value.details() or "")
     assert "Traceback" not in (err.value.details() or "")
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def test_prometheus_metrics_are_exported(stub, server):
+    collect(stub.Generate(chat_request("Say hello.", max_tokens=8, ignore_eos=True)))
+    wanted = [
+        "ray_pagoda_time_to_first_token_seconds_bucket", "ray_pagoda_time_per_output_token_seconds_bucket",
+        "ray_pagoda_inter_token_latency_seconds_bucket", "ray_pagoda_e2e_request_latency_seconds_bucket",
+        "ray_pagoda_num_requests_running", "ray_pagoda_num_requests_waiting", "ray_pagoda_kv_blocks_used",
+        "ray_pagoda_kv_blocks_free", "ray_pagoda_prefix_cache_hit_rate", "ray_pagoda_generation_tokens_total",
+        "ray_pagoda_prompt_tokens_total",
+    ]
+    deadline = time.monotonic() + 40  # Ray's agent exports every few seconds
+    while True:
+        text = requests.get(server["metrics"], timeout=10).text
+        missing = [name for name in wanted if name not in text]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"not exported: {missing}"
+        time.sleep(2)
+    generated = [line for line in text.splitlines() if line.startswith("ray_pagoda_generation_tokens_total")]
+    assert float(generated[0].rsplit(" ", 1)[1]) >= 8

@@ -1,0 +1,101 @@
+"""Prometheus metrics of the engine, exported through Ray's metrics agent (each Ray node serves
+them on its metrics export port), plus NVML GPU telemetry where a GPU and its driver exist.
+
+Names carry the `pagoda_` prefix; Ray adds `ray_` in the export.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ray.util import metrics
+
+logger = logging.getLogger("pagoda.metrics")
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
+
+
+class EngineMetrics:
+    def __init__(self, model: str):
+        tags = {"model": model}
+        self.ttft = _histogram("pagoda_time_to_first_token_seconds", "Request arrival to its first token", tags)
+        self.tpot = _histogram("pagoda_time_per_output_token_seconds", "Mean time per output token after the first", tags)
+        self.itl = _histogram("pagoda_inter_token_latency_seconds", "Time between consecutive tokens of a request", tags)
+        self.e2e = _histogram("pagoda_e2e_request_latency_seconds", "Request arrival to its last token", tags)
+        self.running = _gauge("pagoda_num_requests_running", "Requests in the running batch", tags)
+        self.waiting = _gauge("pagoda_num_requests_waiting", "Requests waiting for admission", tags)
+        self.kv_used = _gauge("pagoda_kv_blocks_used", "KV blocks holding live requests", tags)
+        self.kv_free = _gauge("pagoda_kv_blocks_free", "KV blocks free (cached or empty)", tags)
+        self.prefix_hit_rate = _gauge("pagoda_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", tags)
+        self.preemptions = _counter("pagoda_num_preemptions_total", "Requests preempted for lack of KV blocks", tags)
+        self.prompt_tokens = _counter("pagoda_prompt_tokens_total", "Prompt tokens admitted", tags)
+        self.generation_tokens = _counter("pagoda_generation_tokens_total", "Tokens generated", tags)
+        self._num_preemptions = 0
+
+    def record_engine(self, stats: dict) -> None:
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.kv_used.set(stats["kv_blocks_total"] - stats["kv_blocks_free"])
+        self.kv_free.set(stats["kv_blocks_free"])
+        self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
+        new = stats["num_preemptions"] - self._num_preemptions
+        if new > 0:
+            self.preemptions.inc(new)
+            self._num_preemptions = stats["num_preemptions"]
+
+
+def start_gpu_telemetry(interval_s: float = 5.0) -> bool:
+    """NVML utilization, memory, temperature and power per GPU in a daemon thread; False (and
+    nothing started) where there is no GPU driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception:  # NVMLError_LibraryNotFound and friends: no GPU here, stay silent
+        return False
+    if not handles:
+        return False
+    gauges = {
+        name: metrics.Gauge(f"pagoda_gpu_{name}", description, tag_keys=("gpu",))
+        for name, description in [
+            ("utilization_percent", "GPU utilization"), ("memory_used_bytes", "GPU memory used"),
+            ("temperature_celsius", "GPU temperature"), ("power_watts", "GPU power draw"),
+        ]
+    }
+
+    def loop():
+        while True:
+            for i, handle in enumerate(handles):
+                tags = {"gpu": str(i)}
+                try:
+                    gauges["utilization_percent"].set(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu, tags)
+                    gauges["memory_used_bytes"].set(pynvml.nvmlDeviceGetMemoryInfo(handle).used, tags)
+                    gauges["temperature_celsius"].set(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU), tags)
+                    gauges["power_watts"].set(pynvml.nvmlDeviceGetPowerUsage(handle) / 1000, tags)
+                except Exception as e:  # a flaky reading must not kill the thread
+                    logger.debug("NVML read failed: %s", e)
+            time.sleep(interval_s)
+
+    threading.Thread(target=loop, name="pagoda-nvml", daemon=True).start()
+    return True
+
+
+def _histogram(name, description, tags):
+    h = metrics.Histogram(name, description, boundaries=_LATENCY_BUCKETS, tag_keys=tuple(tags))
+    h.set_default_tags(tags)
+    return h
+
+
+def _gauge(name, description, tags):
+    g = metrics.Gauge(name, description, tag_keys=tuple(tags))
+    g.set_default_tags(tags)
+    return g
+
+
+def _counter(name, description, tags):
+    c = metrics.Counter(name, description, tag_keys=tuple(tags))
+    c.set_default_tags(tags)
+    return c
