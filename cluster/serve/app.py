@@ -39,7 +39,7 @@ class AppConfig(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options")
     max_waiting_requests: int = Field(256, ge=1, description="beyond this, new requests get 429 / RESOURCE_EXHAUSTED")
     request_timeout_s: float | None = Field(600.0, gt=0, description="server-side deadline of a request")
-    torch_threads: int | None = Field(None, description="torch threads of the engine (default: torch's choice)")
+    torch_threads: int | None = Field(None, description="torch threads of the engine (default: all CPUs of the node)")
     llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
         max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}))
     ingress: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(

@@ -1,5 +1,7 @@
 """Errors the serving path maps to wire codes (HTTP status / gRPC status)."""
 
+from cluster.engine.errors import InvalidRequestError
+
 
 class EngineOverloadedError(RuntimeError):
     """More requests wait than the configured queue allows: retry later (429 / RESOURCE_EXHAUSTED)."""
@@ -13,13 +15,5 @@ class RequestTooLargeError(ValueError):
     """The request is larger than the server accepts (413 / RESOURCE_EXHAUSTED)."""
 
 
-class UnsupportedInputError(ValueError):
+class UnsupportedInputError(InvalidRequestError):
     """A well-formed input this server cannot handle yet, e.g. image parts (UNIMPLEMENTED / 400)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self):  # errors cross Ray processes: rebuild with both arguments
-        return type(self), (self.field, self.message)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import queue
 import threading
 import time
@@ -61,8 +62,9 @@ class LLMServer:
         request_timeout_s: float | None = 600.0,
         torch_threads: int | None = None,
     ):
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        # Ray caps OMP threads at the replica's num_cpus (1 by default), which halves decode speed
+        # on a small CPU node; the engine is the node's main CPU consumer, so it takes them all.
+        torch.set_num_threads(torch_threads or os.cpu_count() or 1)
         self.engine = LLMEngine(EngineConfig(**engine_config))
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout_s = request_timeout_s
