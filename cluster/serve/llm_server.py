@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -27,6 +28,8 @@ from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError
 from cluster.serve.metrics import EngineMetrics, start_gpu_telemetry
+
+logger = logging.getLogger("pagoda.llm_server")
 
 
 @dataclass(slots=True)
@@ -50,8 +53,13 @@ class _Stream:
     last_token: float | None = None
     num_tokens: int = 0
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item) -> bool:
+        """Hand an item to the caller's event loop; False when that loop is gone."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the loop was closed: nobody will read this stream again
+            return False
 
 
 class LLMServer:
@@ -165,7 +173,13 @@ class LLMServer:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
-            for delta in engine.step():
+            try:
+                deltas = engine.step()
+            except Exception:  # a bug must not leave callers waiting forever: fail their requests
+                logger.exception("engine step failed; failing the running requests")
+                self._fail_all(RuntimeError("the engine failed while running this request"))
+                continue
+            for delta in deltas:
                 self._deliver(delta)
             self.metrics.record_engine(self.stats())
 
@@ -194,6 +208,12 @@ class LLMServer:
                     self.engine.abort_request(request_id)
                     self._streams.pop(request_id).put(asyncio.CancelledError())
 
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.put(error)
+        self._streams.clear()
+
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
         for request_id, stream in list(self._streams.items()):
@@ -206,7 +226,10 @@ class LLMServer:
         stream = self._streams.get(delta.request_id)
         if stream is None:
             return
-        stream.put(delta)
+        if not stream.put(delta):
+            self.engine.abort_request(delta.request_id)
+            del self._streams[delta.request_id]
+            return
         self._record_latency(stream, delta)
         if delta.finished:
             stream.num_unfinished -= 1  # the engine thread's own count; the caller keeps another

@@ -1,0 +1,78 @@
+"""LLMServer as a plain class (no Serve): deadlines, overload and aborts in its engine thread."""
+
+import asyncio
+
+import pytest
+
+from cluster import SamplingParams
+from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError
+from cluster.serve.llm_server import GenerationRequest, LLMServer
+
+LONG = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def make_server(model_dir):
+    servers = []
+
+    def make(engine=None, **kwargs):
+        server = LLMServer({"model": model_dir, "num_blocks": 128, **(engine or {})}, torch_threads=2, **kwargs)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.shutdown()
+
+
+async def drain(server, request):
+    return [delta async for delta in server.generate(request)]
+
+
+def test_deadline_stops_the_request_and_frees_its_blocks(make_server):
+    server = make_server(request_timeout_s=0.5)
+    with pytest.raises(RequestTimeoutError):
+        asyncio.run(drain(server, GenerationRequest("slow", [1, 2, 3, 4], LONG)))
+    stats = server.stats()
+    assert stats["num_running"] == 0 and stats["num_streams"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_a_caller_that_goes_away_aborts_its_request(make_server):
+    server = make_server()
+
+    async def take_three():
+        stream = server.generate(GenerationRequest("gone", [5, 6, 7], LONG))
+        got = [await stream.__anext__() for _ in range(3)]
+        await stream.aclose()  # what a cancelled handle call does to the generator
+        return got
+
+    assert len(asyncio.run(take_three())) == 3
+    for _ in range(50):  # the engine thread picks the abort up on its next turn
+        stats = server.stats()
+        if stats["num_running"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.02))
+    assert stats["num_running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_beyond_the_waiting_cap_requests_are_refused_at_once(make_server):
+    server = make_server(engine={"max_num_seqs": 1}, max_waiting_requests=2)
+
+    async def scenario():
+        streams, firsts = [], []
+        for i in range(3):  # r0 runs (one sequence at a time), then r1 and r2 wait
+            streams.append(server.generate(GenerationRequest(f"r{i}", [9, 10, 11 + i], LONG)))
+            firsts.append(asyncio.ensure_future(streams[-1].__anext__()))
+            while server.stats()["num_running"] + server.stats()["num_waiting"] < i + 1:
+                await asyncio.sleep(0.01)
+        assert server.stats()["num_waiting"] == 2
+        with pytest.raises(EngineOverloadedError):
+            await server.generate(GenerationRequest("r3", [1, 2], LONG)).__anext__()
+        for future in firsts:
+            future.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+    asyncio.run(scenario())
