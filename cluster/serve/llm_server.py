@@ -155,8 +155,15 @@ class LLMServer:
             raise RuntimeError("the engine thread has stopped")
 
     def shutdown(self) -> None:
+        """Stop the engine thread and wait for it (a thread killed inside torch at interpreter
+        exit aborts the process)."""
         self._stopped = True
-        self._wake.set()
+        if hasattr(self, "_thread"):  # __init__ may have failed before starting it
+            self._wake.set()
+            self._thread.join(timeout=30)
+
+    def __del__(self):  # Serve calls this when a replica stops
+        self.shutdown()
 
     # ---- the engine thread -----------------------------------------------------------------
 
