@@ -55,16 +55,21 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus) -> No
     args = launcher.load_app_args(config_path)
     if model_dir:
         args["model"] = model_dir
-    stop_requested = []
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    def request_stop(*_):
+        raise KeyboardInterrupt
+
+    # Handle both explicitly: a shell that starts us in the background leaves SIGINT ignored,
+    # and then Python would never raise KeyboardInterrupt on Ctrl-C.
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
     try:
         info = launcher.start(args, http_port, grpc_port, address, num_cpus)
-        click.echo(f"pagoda ready grpc=127.0.0.1:{grpc_port} http=127.0.0.1:{http_port} model={info['id']}", err=False)
+        click.echo(f"pagoda ready grpc=127.0.0.1:{grpc_port} http=127.0.0.1:{http_port} model={info['id']}")
         sys.stdout.flush()
-        while not stop_requested:
+        while True:
             time.sleep(0.5)
     except KeyboardInterrupt:
-        pass
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
     finally:
         click.echo("pagoda: stopping", err=True)
         launcher.stop()
