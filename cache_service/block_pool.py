@@ -12,7 +12,7 @@ recently freed block first. Ref counts let many requests share one cached block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cache_service.hashing import BlockHash
 

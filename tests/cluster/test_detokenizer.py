@@ -1,4 +1,3 @@
-import pytest
 
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from tests.cluster.factories import word_tokenizer

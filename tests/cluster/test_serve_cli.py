@@ -10,7 +10,6 @@ from pathlib import Path
 
 import grpc
 import psutil
-import pytest
 import requests
 
 from protos import inference_pb2 as pb

@@ -1,8 +1,6 @@
 """Pagoda over a real local Ray cluster and Ray Serve's own proxies: gRPC and the OpenAI API."""
 
-import json
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
