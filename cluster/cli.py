@@ -127,7 +127,7 @@ def _generate_offline(prompts, params, model_dir, max_num_batched_tokens, quanti
         llm = LLM(model_dir or str(fetch_default_model(log=lambda m: click.echo(m, err=True))),
                   max_num_batched_tokens=max_num_batched_tokens, quantization=quantization)
         encoded = [
-            llm.engine.encode_prompt(messages=p["messages"]) if "messages" in p else llm.engine.encode_prompt(p["prompt"])
+            llm.engine.encode_prompt(p.get("prompt"), p.get("messages"))
             for p in prompts
         ]
     except (InvalidRequestError, UnsupportedModelError) as e:

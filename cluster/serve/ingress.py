@@ -44,25 +44,6 @@ logger = logging.getLogger("pagoda.ingress")
 # Serve's gRPC proxy accepts large messages; Pagoda caps a request (images come later) here.
 MAX_GRPC_REQUEST_BYTES = 4 << 20
 
-class _AbortOnExit:
-    """Iterates a delta stream; if the iteration ends early (client cancel, disconnect), tells the
-    LLMServer to abort, so a lost cancellation can never leave a request running."""
-
-    def __init__(self, deltas, request_id: str, abort, done: bool):
-        self._deltas, self._request_id, self._abort, self._done = deltas, request_id, abort, done
-
-    async def __aiter__(self):
-        if self._done:
-            return
-        try:
-            async for delta in self._deltas:
-                yield delta
-            self._done = True
-        finally:
-            if not self._done:
-                self._abort(self._request_id)
-
-
 def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
     """(HTTP status, OpenAI error type, gRPC code, message) for an exception."""
     from ray.exceptions import RayActorError
@@ -117,15 +98,9 @@ class Ingress:
         token_ids = encoder.encode(prompt, messages)
         request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s)
         deltas = self.llm.options(stream=True).generate.remote(request)
-        try:
-            first = await deltas.__anext__()
-        except asyncio.CancelledError:
-            self._abort(request.request_id)
-            raise
-        return first, _AbortOnExit(deltas, request.request_id, self._abort, done=first.finished and params.n == 1)
-
-    def _abort(self, request_id: str) -> None:
-        self.llm.abort.remote(request_id)
+        # After a last delta the handle's stream simply ends, so callers iterate `deltas` as is.
+        # A caller that stops early cancels the handle call; the LLMServer then aborts.
+        return await deltas.__anext__(), deltas
 
     # ---- gRPC (method names are the RPC names) ---------------------------------------------
 

@@ -119,11 +119,6 @@ class LLMServer:
             if not finished:
                 self._send(("abort", request_id))
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request by the id its GenerationRequest carried (the ingress calls this when its
-        client goes away, in case the cancellation did not travel down the handle)."""
-        self._send(("abort_external", request_id))
-
     def model_info(self) -> dict:
         engine = self.engine
         return {
@@ -205,15 +200,10 @@ class LLMServer:
                     continue
                 self._streams[request_id] = stream
                 self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
-            elif message[0] == "abort":
+            else:
                 _, request_id = message
                 self.engine.abort_request(request_id)
                 self._streams.pop(request_id, None)
-            else:  # "abort_external": every stream started for that external id
-                prefix = f"{message[1]}-"
-                for request_id in [r for r in self._streams if r.startswith(prefix)]:
-                    self.engine.abort_request(request_id)
-                    self._streams.pop(request_id).put(asyncio.CancelledError())
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

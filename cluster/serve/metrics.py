@@ -84,18 +84,17 @@ def start_gpu_telemetry(interval_s: float = 5.0) -> bool:
 
 
 def _histogram(name, description, tags):
-    h = metrics.Histogram(name, description, boundaries=_LATENCY_BUCKETS, tag_keys=tuple(tags))
-    h.set_default_tags(tags)
-    return h
+    return _tagged(metrics.Histogram(name, description, boundaries=_LATENCY_BUCKETS, tag_keys=tuple(tags)), tags)
 
 
 def _gauge(name, description, tags):
-    g = metrics.Gauge(name, description, tag_keys=tuple(tags))
-    g.set_default_tags(tags)
-    return g
+    return _tagged(metrics.Gauge(name, description, tag_keys=tuple(tags)), tags)
 
 
 def _counter(name, description, tags):
-    c = metrics.Counter(name, description, tag_keys=tuple(tags))
-    c.set_default_tags(tags)
-    return c
+    return _tagged(metrics.Counter(name, description, tag_keys=tuple(tags)), tags)
+
+
+def _tagged(metric, tags):
+    metric.set_default_tags(tags)
+    return metric

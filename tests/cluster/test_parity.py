@@ -14,7 +14,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 @pytest.fixture(scope="module")
 def encoded(llm):
     return [
-        llm.engine.encode_prompt(messages=p["messages"]) if "messages" in p else llm.engine.encode_prompt(p["prompt"])
+        llm.engine.encode_prompt(p.get("prompt"), p.get("messages"))
         for p in parity_prompts()
     ]
 
