@@ -17,7 +17,7 @@ from ray import serve
 from cluster.serve.ingress import Ingress, build_fastapi_app
 from cluster.serve.llm_server import LLMServer
 
-GRPC_SERVICER = "protos.inference_pb2_grpc.add_InferenceServicer_to_server"
+GRPC_SERVICER = "cluster.serve.grpc_servicer.add_inference_servicer"
 
 
 class DeploymentOptions(BaseModel):

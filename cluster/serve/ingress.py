@@ -97,9 +97,8 @@ class Ingress:
         encoder = await self._ready()
         token_ids = encoder.encode(prompt, messages)
         request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s)
-        deltas = self.llm.options(stream=True).generate.remote(request)
-        # After a last delta the handle's stream simply ends, so callers iterate `deltas` as is.
-        # A caller that stops early cancels the handle call; the LLMServer then aborts.
+        deltas = _cancel_when_abandoned(self.llm.options(stream=True).generate.remote(request))
+        # After a last delta the stream simply ends, so callers iterate `deltas` as is.
         return await deltas.__anext__(), deltas
 
     # ---- gRPC (method names are the RPC names) ---------------------------------------------
@@ -255,6 +254,21 @@ class Ingress:
         if include_usage:
             yield event(builder.usage_chunk())
         yield "data: [DONE]\n\n"
+
+
+async def _cancel_when_abandoned(deltas):
+    """Yield a handle stream's items; a consumer that stops early (client gone, request
+    cancelled) cancels the LLMServer call, which aborts the request there. Serve would cancel it
+    too when the cancellation lands while we wait on the LLMServer, but not when it lands while a
+    chunk is being written to the client; this covers both."""
+    finished = False
+    try:
+        async for delta in deltas:
+            yield delta
+        finished = True
+    finally:
+        if not finished:
+            deltas.cancel()
 
 
 def _http_error(status: int, message: str, kind: str, param: str | None = None, headers=None) -> JSONResponse:
