@@ -21,7 +21,6 @@ import asyncio
 
 from protos.inference_pb2_grpc import add_InferenceServicer_to_server
 
-
 _END = object()
 
 
