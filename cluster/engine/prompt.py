@@ -3,6 +3,8 @@ prompt must pass. The engine uses it, and so does the ingress, which tokenizes b
 
 from __future__ import annotations
 
+import json
+
 from cluster.engine.errors import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -56,3 +58,22 @@ def check_messages(messages) -> None:
             raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
         if not isinstance(message.get("content"), str):
             raise InvalidRequestError(f"messages[{i}].content", "must be a string")
+
+
+def read_prompt_records(lines) -> list[dict]:
+    """A prompts file (JSONL): each line {"prompt": "..."} or {"messages": [...]}, other keys kept.
+    Raises ValueError naming the line."""
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"prompts file line {number}: not JSON ({e})") from None
+        if not isinstance(record, dict) or not ({"prompt", "messages"} & record.keys()):
+            raise ValueError(f'prompts file line {number}: needs "prompt" or "messages"')
+        records.append(record)
+    if not records:
+        raise ValueError("the prompts file has no prompts")
+    return records

@@ -1,0 +1,69 @@
+"""One `pagoda bench run`: a workload against a target at one or more loads."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import asdict
+
+from cluster.bench import report, runner, workloads
+from cluster.bench.backends import make_backend
+from cluster.bench.metrics import summarize
+
+
+def run_bench(
+    target: str,
+    spec: workloads.WorkloadSpec,
+    *,
+    label: str | None = None,
+    concurrencies: list[int | None] = (None,),
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    ignore_eos: bool = True,
+    max_batch: int | None = None,
+    slo: dict[str, float] | None = None,
+    tokenizer_dir: str | None = None,
+    warmup: int = 2,
+    progress: bool = True,
+    log=print,
+) -> dict:
+    """Runs the workload once per concurrency level (None: no cap, arrivals by request_rate) and
+    returns the result file's dict. An in-process HF target batches up to the concurrency level
+    unless max_batch is given."""
+    tokenizer = _tokenizer(tokenizer_dir)
+    requests = workloads.build(spec, tokenizer)
+    runs = []
+    for concurrency in concurrencies:
+        backend = make_backend(target, ignore_eos=ignore_eos, max_batch=max_batch or concurrency)
+        records, duration = asyncio.run(_run_once(backend, requests, warmup, concurrency, request_rate, burstiness, spec.seed, progress))
+        summary = summarize(records, duration, slo)
+        runs.append({"concurrency": concurrency, "request_rate": None if math.isinf(request_rate) else request_rate,
+                     "summary": summary, "records": [r.to_json() for r in records]})
+        log(f"{label or target} c={concurrency}: {summary['completed']}/{summary['requests']} ok, "
+            f"{summary['output_throughput']:.1f} out tok/s, TTFT p50 {summary['ttft_ms']['median']:.0f} ms, "
+            f"TPOT p50 {summary['tpot_ms']['median']:.1f} ms")
+    options = {**asdict(spec), "request_rate": request_rate if not math.isinf(request_rate) else None,
+               "burstiness": burstiness, "ignore_eos": ignore_eos, "max_batch": max_batch,
+               "slo_ms": {k: v * 1000 for k, v in (slo or {}).items()}}
+    return report.result_file(label or target, target, options, runs)
+
+
+async def _run_once(backend, requests, warmup, concurrency, request_rate, burstiness, seed, progress):
+    await backend.start()
+    try:
+        if warmup:  # first requests pay for lazy initialisation on every server; not measured
+            await runner.run(backend, requests[:warmup], concurrency=1, progress=False)
+        return await runner.run(backend, requests, concurrency=concurrency, request_rate=request_rate,
+                                burstiness=burstiness, seed=seed, progress=progress)
+    finally:
+        await backend.close()
+
+
+def _tokenizer(tokenizer_dir: str | None):
+    from transformers import AutoTokenizer
+
+    if tokenizer_dir is None:
+        from cluster.model_fetch import fetch_default_model
+
+        tokenizer_dir = str(fetch_default_model())
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
