@@ -34,6 +34,7 @@ bench: model
 	$(BIN)/python -m benchmarks.offline_throughput --natural-stop --max-tokens 256
 	$(BIN)/python -m benchmarks.perplexity
 	$(BIN)/python -m benchmarks.serving_latency
+	$(BIN)/python -m benchmarks.serving_sweep
 
 clean:
 	rm -rf $(VENV)

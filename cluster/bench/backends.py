@@ -6,11 +6,14 @@ server's usage when it reports one), and a short error kind on failure.
     grpc://HOST:PORT     Pagoda's gRPC Inference service
     hf[:MODEL_DIR]       HF transformers in this process, batching what is queued when the model
                          is free, padded (--max-batch 1: one request at a time)
+    engine[:MODEL_DIR]   Pagoda's LLMServer in this process, without Ray or Serve: what the
+                         serving path costs is the difference to http:// and grpc://
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 
@@ -24,7 +27,17 @@ def make_backend(target: str, *, ignore_eos: bool, max_batch: int | None = None)
         return GrpcBackend(target.removeprefix("grpc://"), ignore_eos)
     if target == "hf" or target.startswith("hf:"):
         return HFBackend(target.partition(":")[2] or None, ignore_eos, max_batch or 1)
-    raise ValueError(f"--target must be http://HOST:PORT, grpc://HOST:PORT or hf[:MODEL_DIR]; got {target!r}")
+    if target == "engine" or target.startswith("engine:"):
+        return EngineBackend(target.partition(":")[2] or None, ignore_eos, max_batch or 64)
+    raise ValueError(f"--target must be http://HOST:PORT, grpc://HOST:PORT, hf[:MODEL_DIR] or engine[:MODEL_DIR]; got {target!r}")
+
+
+def default_model(model_dir: str | None) -> str:
+    if model_dir is not None:
+        return model_dir
+    from cluster.model_fetch import fetch_default_model
+
+    return str(fetch_default_model())
 
 
 class OpenAIHTTPBackend:
@@ -37,9 +50,10 @@ class OpenAIHTTPBackend:
     async def start(self) -> None:
         import aiohttp
 
-        # No client-side connection cap: the runner decides concurrency.
+        # No client-side connection cap: the runner decides concurrency. A fresh connection per
+        # request: llama-server closes idle keep-alive connections, and a reused dead one fails.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=3600))
+            connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=aiohttp.ClientTimeout(total=3600))
         async with self._session.get(f"{self.base_url}/v1/models") as r:
             r.raise_for_status()
             self.model = (await r.json())["data"][0]["id"]
@@ -135,23 +149,27 @@ class HFBackend:
         self._worker: asyncio.Task | None = None
 
     async def start(self) -> None:
+        # One thread loads and runs the model, as Pagoda's LLMServer does (see its __init__: a
+        # second thread running torch makes OpenMP stop spin-waiting, 2x slower per token).
+        self._torch_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-peer")
+        await asyncio.get_running_loop().run_in_executor(self._torch_thread, self._load)
+        self._queue = asyncio.Queue()
+        self._worker = asyncio.create_task(self._serve())
+
+    def _load(self) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if self.model_dir is None:
-            from cluster.model_fetch import fetch_default_model
-
-            self.model_dir = str(fetch_default_model())
+        self.model_dir = default_model(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, padding_side="left")
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
-        self._queue = asyncio.Queue()
-        self._worker = asyncio.create_task(self._serve())
 
     async def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
+            self._torch_thread.shutdown()
 
     async def generate(self, prompt, messages, max_tokens: int, record: RequestRecord) -> None:
         record.start = time.perf_counter()
@@ -165,7 +183,7 @@ class HFBackend:
             while len(batch) < self.max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             try:
-                await asyncio.to_thread(self._run_batch, batch)
+                await asyncio.get_running_loop().run_in_executor(self._torch_thread, self._run_batch, batch)
             except Exception as e:  # noqa: BLE001 - the batch's requests report it
                 for *_, record, _ in batch:
                     record.error = type(e).__name__
@@ -200,6 +218,40 @@ class HFBackend:
             record.output_tokens = len(tokens)
             record.chunk_times = steps.times[: len(tokens)]
             record.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+class EngineBackend:
+    def __init__(self, model_dir: str | None, ignore_eos: bool, max_num_seqs: int):
+        self.model_dir = model_dir
+        self.ignore_eos = ignore_eos
+        self.max_num_seqs = max_num_seqs
+        self.server = None
+
+    async def start(self) -> None:
+        from cluster.serve.llm_server import LLMServer
+
+        self.server = LLMServer({"model": default_model(self.model_dir), "max_num_seqs": self.max_num_seqs},
+                                max_waiting_requests=1 << 20)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+
+    async def generate(self, prompt, messages, max_tokens: int, record: RequestRecord) -> None:
+        import uuid
+
+        from cluster.engine.sampling_params import SamplingParams
+        from cluster.serve.llm_server import GenerationRequest
+
+        record.start = time.perf_counter()
+        token_ids = self.server.engine.encode_prompt(prompt, messages)  # the ingress tokenizes too
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=self.ignore_eos)
+        async for delta in self.server.generate(GenerationRequest(uuid.uuid4().hex, token_ids, params)):
+            if delta.new_token_ids:
+                record.chunk_times.append(time.perf_counter())
+                record.output_tokens += len(delta.new_token_ids)
+                record.text += delta.new_text
+            record.prompt_tokens = delta.num_prompt_tokens
 
 
 class _StepTimes:

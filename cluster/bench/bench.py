@@ -62,8 +62,6 @@ async def _run_once(backend, requests, warmup, concurrency, request_rate, bursti
 def _tokenizer(tokenizer_dir: str | None):
     from transformers import AutoTokenizer
 
-    if tokenizer_dir is None:
-        from cluster.model_fetch import fetch_default_model
+    from cluster.bench.backends import default_model
 
-        tokenizer_dir = str(fetch_default_model())
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
+    return AutoTokenizer.from_pretrained(default_model(tokenizer_dir))

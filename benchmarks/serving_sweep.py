@@ -1,0 +1,116 @@
+"""Throughput vs concurrency for Pagoda (HTTP and gRPC) and its peers, one after another in one
+session on this machine, with the same `pagoda bench` workload for all:
+
+    Pagoda         local Ray + Serve (launcher), OpenAI HTTP and gRPC; then with int8 weights (HTTP)
+    llama.cpp      llama-server from the llama-cpp-python sdist, same GGUF, --parallel = concurrency
+    HF static      transformers in-process, batches of up to `concurrency`, padded (c=1: one at a time)
+
+    python -m benchmarks.serving_sweep [--levels 1,4,16,32,64] [--targets pagoda,llama.cpp,hf]
+
+Each level sends max(8, 2 x level) random-token prompts of --input-len tokens, each generating
+exactly --output-len tokens (ignore_eos, greedy). Then the cross-talk probe at the top level.
+Writes one result JSON per target, the ratio table, and plots under --plots-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks import llama_cpp_server
+from cluster.bench import report
+from cluster.bench.bench import run_bench
+from cluster.bench.workloads import WorkloadSpec
+from cluster.model_fetch import fetch_default_model
+from cluster.serve import launcher
+
+HTTP, GRPC, LLAMA = 18300, 19300, 18500
+
+
+def sweep(label: str, levels: list[int], spec: WorkloadSpec, target_at) -> dict:
+    """One result with a run per level; target_at(level) is a context manager yielding the target."""
+    runs = []
+    for level in levels:
+        with target_at(level) as target:
+            result = run_bench(target, replace(spec, num_prompts=max(8, 2 * level)), label=label, concurrencies=[level])
+        runs += result["runs"]
+    result["runs"] = runs
+    return result
+
+
+def probe(label: str, level: int, target_at) -> dict:
+    with target_at(level) as target:
+        result = run_bench(target, WorkloadSpec("probe", num_prompts=level, seed=11), label=f"{label} probe", concurrencies=[level])
+    return result["runs"][0]["summary"]["probe"]
+
+
+class _Fixed:
+    """A target that is already up, as a context manager."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def __call__(self, level):
+        return self
+
+    def __enter__(self):
+        return self.target
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levels", default="1,4,16,32,64")
+    parser.add_argument("--targets", default="pagoda,pagoda-int8,llama.cpp,hf")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--out-dir", default="benchmarks/results/sweep")
+    parser.add_argument("--plots-dir", default="docs/bench")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    targets = args.targets.split(",")
+    spec = WorkloadSpec("random", input_len=args.input_len, output_len=args.output_len)
+    out = Path(args.out_dir)
+    results, probes = [], {}
+
+    for variant, engine, labels in (
+        ("pagoda", {}, ("pagoda-http", "pagoda-grpc")),
+        ("pagoda-int8", {"quantization": "int8"}, ("pagoda-int8-http",)),
+    ):
+        if variant not in targets:
+            continue
+        launcher.start({"model": str(fetch_default_model()), "engine": {"max_num_seqs": max(levels), **engine},
+                        "max_waiting_requests": 4 * max(levels)}, HTTP, GRPC)
+        try:
+            for label in labels:
+                target = f"grpc://127.0.0.1:{GRPC}" if label.endswith("grpc") else f"http://127.0.0.1:{HTTP}"
+                results.append(sweep(label, levels, spec, _Fixed(target)))
+                probes[label] = probe(label, max(levels), _Fixed(target))
+        finally:
+            launcher.stop()
+    if "llama.cpp" in targets:
+        def llama_at(level):
+            return llama_cpp_server.serving(LLAMA, parallel=level, ctx_per_slot=2 * (args.input_len + args.output_len) + 64)
+
+        results.append(sweep("llama.cpp", levels, spec, llama_at))
+        probes["llama.cpp"] = probe("llama.cpp", max(levels), llama_at)
+    if "hf" in targets:
+        results.append(sweep("hf-static", levels, spec, _Fixed("hf")))
+        probes["hf-static"] = probe("hf-static", max(levels), _Fixed("hf"))
+
+    for result in results:
+        report.save(result, out / f"{result['label']}.json")
+        print(report.table(result) + "\n")
+    print(report.ratio_table(results[0], results[1:]))
+    print("cross-talk probes:", probes)
+    (out / "probes.json").write_text(json.dumps(probes, indent=1))
+    for path in report.plot(results, args.plots_dir, prefix="sweep"):
+        print("plot:", path)
+
+
+if __name__ == "__main__":
+    main()
