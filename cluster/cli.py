@@ -276,11 +276,14 @@ def bench_run(target, label, workload, num_prompts, input_len, output_len, range
 @click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--plots-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--prefix", default="compare", show_default=True, help="File name prefix of the plots.")
-def bench_compare(results, plots_dir, prefix) -> None:
+@click.option("--markdown", "as_markdown", is_flag=True, help="Also print the targets side by side as a Markdown table.")
+def bench_compare(results, plots_dir, prefix, as_markdown) -> None:
     """Ratios of the first result file against each other one, load by load."""
     from cluster.bench import report
 
     loaded = [report.load(path) for path in results]
+    if as_markdown:
+        click.echo(report.markdown(loaded) + "\n")
     for result in loaded:
         click.echo(report.table(result) + "\n")
     if len(loaded) > 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from cluster.bench import report, runner, workloads
 from cluster.bench.backends import make_backend
@@ -32,10 +32,13 @@ def run_bench(
     unless max_batch is given."""
     tokenizer = _tokenizer(tokenizer_dir)
     requests = workloads.build(spec, tokenizer)
+    # Warm-up prompts of their own, so that no measured request finds its prompt cached.
+    warmup_requests = workloads.build(replace(spec, seed=spec.seed + 1_000_003), tokenizer)[:warmup]
     runs = []
     for concurrency in concurrencies:
         backend = make_backend(target, ignore_eos=ignore_eos, max_batch=max_batch or concurrency)
-        records, duration = asyncio.run(_run_once(backend, requests, warmup, concurrency, request_rate, burstiness, spec.seed, progress))
+        records, duration = asyncio.run(
+            _run_once(backend, requests, warmup_requests, concurrency, request_rate, burstiness, spec.seed, progress))
         summary = summarize(records, duration, slo)
         runs.append({"concurrency": concurrency, "request_rate": None if math.isinf(request_rate) else request_rate,
                      "summary": summary, "records": [r.to_json() for r in records]})
@@ -48,11 +51,11 @@ def run_bench(
     return report.result_file(label or target, target, options, runs)
 
 
-async def _run_once(backend, requests, warmup, concurrency, request_rate, burstiness, seed, progress):
+async def _run_once(backend, requests, warmup_requests, concurrency, request_rate, burstiness, seed, progress):
     await backend.start()
     try:
-        if warmup:  # first requests pay for lazy initialisation on every server; not measured
-            await runner.run(backend, requests[:warmup], concurrency=1, progress=False)
+        if warmup_requests:  # first requests pay for lazy initialisation on every server; not measured
+            await runner.run(backend, warmup_requests, concurrency=1, progress=False)
         return await runner.run(backend, requests, concurrency=concurrency, request_rate=request_rate,
                                 burstiness=burstiness, seed=seed, progress=progress)
     finally:

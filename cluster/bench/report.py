@@ -96,6 +96,22 @@ def ratio_table(reference: dict, others: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(results: list[dict]) -> str:
+    """Targets side by side, load by load: output tok/s, TTFT p50/p95 and TPOT p50/p95 (ms)."""
+    loads = list(dict.fromkeys(_load_label(run) for result in results for run in result["runs"]))
+    lines = ["| load | target | out tok/s | TTFT p50 | TTFT p95 | TPOT p50 | TPOT p95 | ok |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for load in loads:
+        for result in results:
+            for run in result["runs"]:
+                if _load_label(run) != load:
+                    continue
+                s = run["summary"]
+                lines.append(f"| {load} | {result['label']} | {s['output_throughput']:.1f} | {s['ttft_ms']['median']:.0f} | "
+                             f"{s['ttft_ms']['p95']:.0f} | {s['tpot_ms']['median']:.1f} | {s['tpot_ms']['p95']:.1f} | "
+                             f"{s['completed']}/{s['requests']} |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], directory: str | Path, prefix: str = "bench") -> list[Path]:
     """Latency CDFs (TTFT, TPOT, E2E) of every target at its highest load, and, when runs span
     several concurrencies, output throughput and TPOT median against concurrency."""
