@@ -85,7 +85,9 @@ def _chat(spec, tokenizer, rng) -> list[BenchRequest]:
 
 
 def _docqa(spec, tokenizer, rng) -> list[BenchRequest]:
-    from pydoc_data.topics import topics  # the stdlib's own docs: offline, a few hundred sections
+    from pydoc_data.topics import (
+        topics,  # the stdlib's own docs: offline, a few hundred sections
+    )
 
     sections = sorted(topics.values(), key=len, reverse=True)
     requests = []

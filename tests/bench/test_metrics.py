@@ -5,7 +5,14 @@ import math
 import numpy as np
 import pytest
 
-from cluster.bench.metrics import RequestRecord, cross_talk, describe, parse_slo, percentile, summarize
+from cluster.bench.metrics import (
+    RequestRecord,
+    cross_talk,
+    describe,
+    parse_slo,
+    percentile,
+    summarize,
+)
 from cluster.bench.runner import arrival_gaps
 
 
