@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.tp_layout import head_shard
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
@@ -171,39 +173,42 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one GEMM. Heads split across ranks; when there are fewer KV heads
-    than ranks, each rank keeps the one KV head its query heads use (a replica)."""
+    """q, k and v projections in one GEMM. Each rank keeps the query heads and KV heads that
+    `head_shard` gives it (KV heads replicated when there are fewer than ranks)."""
 
     def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, tp_rank=0, tp_size=1):
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = max(1, num_kv_heads // tp_size)
-        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        self.shard = head_shard(num_heads, num_kv_heads, tp_size, tp_rank)
+        self.num_heads, self.num_kv_heads = len(self.shard.q_heads), len(self.shard.kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, out, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id: str = "q"):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, rank = 0, q_size, self.tp_rank
+            offset, size, first_head = 0, q_size, self.shard.q_heads.start
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, rank = kv_size, self.tp_rank // self.kv_replicas
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+            size, first_head = kv_size, self.shard.kv_heads.start
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, first_head * self.head_dim, size))
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs are summed by an all-reduce (`reduce`)."""
+    """Input features split across ranks; partial outputs are summed by an all-reduce (`reduce`).
+    `input_slice` names this rank's input features when the split is not even (attention heads)."""
 
-    def __init__(self, in_features, out_features, bias=False, tp_rank=0, tp_size=1, reduce=None):
-        super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
+    def __init__(self, in_features, out_features, bias=False, tp_rank=0, tp_size=1, reduce=None,
+                 input_slice: range | None = None):
+        size = in_features // tp_size
+        self.input_slice = input_slice or range(tp_rank * size, (tp_rank + 1) * size)
+        super().__init__(len(self.input_slice), out_features, bias, tp_rank, tp_size)
         self.reduce = reduce
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # the bias is added once, after the reduction
             param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
         else:
-            param.data.copy_(_shard(loaded, 1, self.tp_rank, self.tp_size))
+            param.data.copy_(loaded.narrow(1, self.input_slice.start, len(self.input_slice)))
 
     def forward(self, x):
         out = super().forward(x)

@@ -20,8 +20,8 @@ from model.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    apply_rotary,
     VocabEmbedding,
+    apply_rotary,
     silu_and_mul,
 )
 
@@ -35,9 +35,10 @@ class LlamaAttention(nn.Module):
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = config.head_dim
+        q_heads = self.qkv_proj.shard.q_heads
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size, config.o_bias,
-            tp_rank, tp_size, reduce,
+            tp_rank, tp_size, reduce, input_slice=range(q_heads.start * self.head_dim, q_heads.stop * self.head_dim),
         )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 

@@ -56,12 +56,18 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         quantization: str | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        reduce=None,
     ):
+        """With tp_size > 1 this runner is one rank of a tensor-parallel group: it holds its shard
+        of the weights and of the KV cache, and `reduce` all-reduces partial sums across ranks."""
         self.config = ModelConfig.from_dir(model_dir)
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
         self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
         with torch.device(self.device), _default_dtype(dtype):
-            self.model = LlamaForCausalLM(self.config, self.max_model_len)
+            self.model = LlamaForCausalLM(self.config, self.max_model_len, tp_rank, tp_size, reduce)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         load_weights(self.model, model_dir)
         if quantization == "int8":
             if self.device.type != "cpu":
@@ -74,7 +80,7 @@ class ModelRunner:
         c = self.config
         # One allocation for all layers: [layers, K/V, blocks, kv_heads, block_size, head_dim]
         self.kv_cache = torch.zeros(
-            c.num_hidden_layers, 2, self.num_blocks, c.num_key_value_heads, block_size, c.head_dim,
+            c.num_hidden_layers, 2, self.num_blocks, self.num_kv_heads, block_size, c.head_dim,
             dtype=dtype, device=self.device,
         )
         for i, attn in enumerate(self.model.attention_layers):
@@ -84,7 +90,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         c = self.config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return c.num_hidden_layers * 2 * c.num_key_value_heads * self.block_size * c.head_dim * elem
+        return c.num_hidden_layers * 2 * self.num_kv_heads * self.block_size * c.head_dim * elem
 
     def prepare(self, seqs: list[SequenceInput]) -> StepTensors:
         # Decodes (one new token) first: attention batches them in one pass.
