@@ -19,9 +19,10 @@ class EngineConfig:
     # "int8": int8 weights with fbgemm's dynamic-int8 GEMM (CPU). Faster decode, not bit-equal to HF.
     quantization: str | None = None
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # > 1: a group of Ray actors, one per rank (cluster/executor)
     seed: int = 0  # for requests that bring no seed of their own
 
     def __post_init__(self):
-        for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -29,12 +29,12 @@ from model.loader import parse_dtype
 from model.runner import ModelRunner, SampledToken, SequenceInput
 from model.sampler import SamplingRow
 
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         model_dir = Path(config.model)
-        self.runner = ModelRunner(
-            model_dir,
+        runner_options = dict(
             block_size=config.block_size,
             num_blocks=config.num_blocks,
             kv_cache_bytes=config.kv_cache_bytes,
@@ -43,6 +43,12 @@ class LLMEngine:
             device=config.device,
             quantization=config.quantization,
         )
+        if config.tensor_parallel_size > 1:
+            from cluster.executor.tp_group import TPGroup
+
+            self.runner = TPGroup(str(model_dir), config.tensor_parallel_size, **runner_options)
+        else:
+            self.runner = ModelRunner(model_dir, **runner_options)
         self.model_config = self.runner.config
         # A single request must always fit in the cache, or preempting it could never help.
         self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * config.block_size)

@@ -1,6 +1,6 @@
 """Small builders for engine-side unit tests."""
 
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.request import Request

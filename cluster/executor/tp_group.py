@@ -1,0 +1,108 @@
+"""TPGroup: a tensor-parallel group of Ray actors, one ModelRunner rank each, in a placement group,
+joined by torch.distributed (gloo on CPU, NCCL on CUDA). The engine drives it like a ModelRunner:
+`execute(seqs)` runs the step on every rank (each layer's all-reduce needs all of them) and
+returns rank 0's sampled tokens.
+
+Sampling happens on rank 0 with copies of the engine's per-request generators (they travel
+pickled); rank 0 sends their advanced states back and they are written into the engine's own
+generators, so seeded sampling goes on exactly as with one process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+import torch
+
+from model.config import ModelConfig
+from model.tp_layout import head_shard
+
+
+class TPWorker:
+    """One rank. A Ray actor; its methods run in the actor's one thread, which also loaded the
+    model (a second thread running torch would halve its speed, see LLMServer)."""
+
+    def __init__(self, model_dir: str, rank: int, tp_size: int, init_method: str, runner_kwargs: dict, torch_threads: int):
+        import torch.distributed as dist
+
+        from model.runner import ModelRunner
+
+        torch.set_num_threads(torch_threads)
+        backend = "nccl" if str(runner_kwargs.get("device", "cpu")).startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp_size)
+        self.rank = rank
+
+        def all_reduce(x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return x
+
+        self.runner = ModelRunner(model_dir, tp_rank=rank, tp_size=tp_size, reduce=all_reduce, **runner_kwargs)
+
+    def describe(self) -> dict:
+        context = ray.get_runtime_context()
+        return {"rank": self.rank, "pid": os.getpid(), "node_id": context.get_node_id(),
+                "kv_heads": self.runner.num_kv_heads, "num_blocks": self.runner.num_blocks}
+
+    def execute(self, seqs):
+        results = self.runner.execute(seqs)
+        if self.rank != 0:
+            return None
+        return results, [s.sampling.generator.get_state() if s.sampling and s.sampling.generator else None for s in seqs]
+
+
+class TPGroup:
+    def __init__(self, model_dir: str, tp_size: int, *, block_size: int, num_blocks: int | None, kv_cache_bytes: int,
+                 max_model_len: int | None, dtype: torch.dtype, device: str, quantization: str | None,
+                 cpus_per_worker: float = 0.5, torch_threads: int | None = None):
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.config = ModelConfig.from_dir(model_dir)
+        c = self.config
+        # Every rank must hold the same number of blocks; with uneven head splits their bytes per
+        # block differ, so the largest one sets the count.
+        largest_kv = max(len(head_shard(c.num_attention_heads, c.num_key_value_heads, tp_size, r).kv_heads)
+                         for r in range(tp_size))
+        elem = torch.empty((), dtype=dtype).element_size()
+        num_blocks = num_blocks or max(1, kv_cache_bytes // (c.num_hidden_layers * 2 * largest_kv * block_size * c.head_dim * elem))
+        runner_kwargs = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
+                         "dtype": dtype, "device": device, "quantization": quantization}
+        if not ray.is_initialized():
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+        self.placement = placement_group([{"CPU": cpus_per_worker}] * tp_size, strategy="PACK")
+        ray.get(self.placement.ready(), timeout=120)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"  # one host here; rank 0's node on a cluster
+        worker = ray.remote(TPWorker)
+        threads = torch_threads or max(1, (os.cpu_count() or 1) // tp_size)
+        self.workers = [
+            worker.options(num_cpus=cpus_per_worker, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.placement, placement_group_bundle_index=rank)).remote(
+                model_dir, rank, tp_size, init_method, runner_kwargs, threads)
+            for rank in range(tp_size)
+        ]
+        self.ranks = ray.get([w.describe.remote() for w in self.workers], timeout=600)
+        self.num_blocks = num_blocks
+        self.max_model_len = min(max_model_len or c.max_model_len, c.max_model_len)
+
+    def execute(self, seqs):
+        outputs = ray.get([w.execute.remote(seqs) for w in self.workers])
+        results, states = outputs[0]
+        for seq, state in zip(seqs, states):
+            if state is not None:
+                seq.sampling.generator.set_state(state)
+        return results
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.placement)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,31 @@
+"""The engine over a TP=2 group of Ray actors (gloo) gives the single-process engine's tokens.
+Uses the session's Ray cluster (the `server` fixture starts it with its metrics port)."""
+
+import pytest
+
+from cluster import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, a small robot"]
+
+
+@pytest.fixture(scope="module")
+def tp2(server, model_dir):
+    llm = LLM(model_dir, tensor_parallel_size=2, num_blocks=64)
+    yield llm
+    llm.engine.runner.shutdown()
+
+
+def test_tp2_greedy_and_seeded_outputs_equal_tp1(tp2, llm):
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=7)
+    for params in (greedy, seeded):
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        got = [o.outputs[0].token_ids for o in tp2.generate(PROMPTS, params)]
+        assert got == expected, params
+    assert tp2.engine.num_free_blocks == 64
+
+
+def test_tp2_ranks_hold_their_kv_heads(tp2):
+    ranks = sorted(tp2.engine.runner.ranks, key=lambda r: r["rank"])
+    assert [r["kv_heads"] for r in ranks] == [2, 1]  # SmolLM2's 3 KV heads: 2 + 1
+    assert len({r["pid"] for r in ranks}) == 2 and all(r["num_blocks"] == 64 for r in ranks)
