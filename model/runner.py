@@ -88,9 +88,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        c = self.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return c.num_hidden_layers * 2 * self.num_kv_heads * self.block_size * c.head_dim * elem
+        return kv_bytes_per_block(self.config, self.num_kv_heads, self.block_size, self.dtype)
 
     def prepare(self, seqs: list[SequenceInput]) -> StepTensors:
         # Decodes (one new token) first: attention batches them in one pass.
@@ -131,6 +129,12 @@ class ModelRunner:
         for i, token_id, lp in zip(sampled_seqs, token_ids, logprobs):
             results[i] = SampledToken(token_id, lp)
         return results
+
+
+def kv_bytes_per_block(config: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one block of tokens, for a rank holding num_kv_heads heads."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.num_hidden_layers * 2 * num_kv_heads * block_size * config.head_dim * elem
 
 
 @contextmanager

@@ -17,6 +17,7 @@ import ray
 import torch
 
 from model.config import ModelConfig
+from model.runner import ModelRunner, kv_bytes_per_block
 from model.tp_layout import head_shard
 
 
@@ -26,8 +27,6 @@ class TPWorker:
 
     def __init__(self, model_dir: str, rank: int, tp_size: int, init_method: str, runner_kwargs: dict, torch_threads: int):
         import torch.distributed as dist
-
-        from model.runner import ModelRunner
 
         torch.set_num_threads(torch_threads)
         backend = "nccl" if str(runner_kwargs.get("device", "cpu")).startswith("cuda") else "gloo"
@@ -43,7 +42,8 @@ class TPWorker:
     def describe(self) -> dict:
         context = ray.get_runtime_context()
         return {"rank": self.rank, "pid": os.getpid(), "node_id": context.get_node_id(),
-                "kv_heads": self.runner.num_kv_heads, "num_blocks": self.runner.num_blocks}
+                "kv_heads": self.runner.num_kv_heads, "num_blocks": self.runner.num_blocks,
+                "max_model_len": self.runner.max_model_len}
 
     def execute(self, seqs):
         results = self.runner.execute(seqs)
@@ -65,8 +65,7 @@ class TPGroup:
         # block differ, so the largest one sets the count.
         largest_kv = max(len(head_shard(c.num_attention_heads, c.num_key_value_heads, tp_size, r).kv_heads)
                          for r in range(tp_size))
-        elem = torch.empty((), dtype=dtype).element_size()
-        num_blocks = num_blocks or max(1, kv_cache_bytes // (c.num_hidden_layers * 2 * largest_kv * block_size * c.head_dim * elem))
+        num_blocks = num_blocks or max(1, kv_cache_bytes // kv_bytes_per_block(c, largest_kv, block_size, dtype))
         runner_kwargs = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
                          "dtype": dtype, "device": device, "quantization": quantization}
         if not ray.is_initialized():
@@ -84,7 +83,7 @@ class TPGroup:
         ]
         self.ranks = ray.get([w.describe.remote() for w in self.workers], timeout=600)
         self.num_blocks = num_blocks
-        self.max_model_len = min(max_model_len or c.max_model_len, c.max_model_len)
+        self.max_model_len = self.ranks[0]["max_model_len"]
 
     def execute(self, seqs):
         outputs = ray.get([w.execute.remote(seqs) for w in self.workers])
