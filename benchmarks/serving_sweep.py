@@ -15,6 +15,7 @@ Writes one result JSON per target, the ratio table, and plots under --plots-dir.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -40,26 +41,15 @@ def sweep(label: str, levels: list[int], spec: WorkloadSpec, target_at) -> dict:
     return result
 
 
+def _running(target: str):
+    """A target that is already up, in the shape sweep() and probe() take."""
+    return lambda level: contextlib.nullcontext(target)
+
+
 def probe(label: str, level: int, target_at) -> dict:
     with target_at(level) as target:
         result = run_bench(target, WorkloadSpec("probe", num_prompts=level, seed=11), label=f"{label} probe", concurrencies=[level])
     return result["runs"][0]["summary"]["probe"]
-
-
-class _Fixed:
-    """A target that is already up, as a context manager."""
-
-    def __init__(self, target: str):
-        self.target = target
-
-    def __call__(self, level):
-        return self
-
-    def __enter__(self):
-        return self.target
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main():
@@ -88,8 +78,8 @@ def main():
         try:
             for label in labels:
                 target = f"grpc://127.0.0.1:{GRPC}" if label.endswith("grpc") else f"http://127.0.0.1:{HTTP}"
-                results.append(sweep(label, levels, spec, _Fixed(target)))
-                probes[label] = probe(label, max(levels), _Fixed(target))
+                results.append(sweep(label, levels, spec, _running(target)))
+                probes[label] = probe(label, max(levels), _running(target))
         finally:
             launcher.stop()
     if "llama.cpp" in targets:
@@ -99,8 +89,8 @@ def main():
         results.append(sweep("llama.cpp", levels, spec, llama_at))
         probes["llama.cpp"] = probe("llama.cpp", max(levels), llama_at)
     if "hf" in targets:
-        results.append(sweep("hf-static", levels, spec, _Fixed("hf")))
-        probes["hf-static"] = probe("hf-static", max(levels), _Fixed("hf"))
+        results.append(sweep("hf-static", levels, spec, _running("hf")))
+        probes["hf-static"] = probe("hf-static", max(levels), _running("hf"))
 
     for result in results:
         report.save(result, out / f"{result['label']}.json")
