@@ -14,22 +14,12 @@ import argparse
 from pathlib import Path
 
 from cluster.bench import report
-from cluster.bench.bench import run_bench
+from cluster.bench.bench import already_running, run_levels
 from cluster.bench.workloads import WorkloadSpec
 from cluster.model_fetch import fetch_default_model
 from cluster.serve import launcher
 
 HTTP, GRPC = 18300, 19300
-
-
-def run_levels(target: str, label: str, levels: list[int], output_len: int) -> dict:
-    runs = []
-    for level in levels:
-        spec = WorkloadSpec("chat", num_prompts=max(4, level), output_len=output_len, turns=1)
-        result = run_bench(target, spec, label=label, concurrencies=[level], max_batch=max(levels))
-        runs += result["runs"]
-    result["runs"] = runs
-    return result
 
 
 def main():
@@ -40,14 +30,17 @@ def main():
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     model_dir = str(fetch_default_model())
+    spec = WorkloadSpec("chat", output_len=args.output_len, turns=1)
+
+    def measure(target: str, label: str) -> dict:
+        return run_levels(label, levels, spec, already_running(target), lambda level: max(4, level), max_batch=max(levels))
 
     launcher.start({"model": model_dir, "engine": {"max_num_seqs": max(levels)}}, HTTP, GRPC)
     try:
-        served = [run_levels(f"http://127.0.0.1:{HTTP}", "http", levels, args.output_len),
-                  run_levels(f"grpc://127.0.0.1:{GRPC}", "grpc", levels, args.output_len)]
+        served = [measure(f"http://127.0.0.1:{HTTP}", "http"), measure(f"grpc://127.0.0.1:{GRPC}", "grpc")]
     finally:
         launcher.stop()
-    engine = run_levels(f"engine:{model_dir}", "engine (no Ray)", levels, args.output_len)
+    engine = measure(f"engine:{model_dir}", "engine (no Ray)")
 
     for result in [*served, engine]:
         report.save(result, Path(args.out_dir) / f"{result['label'].split()[0]}.json")

@@ -15,35 +15,17 @@ Writes one result JSON per target, the ratio table, and plots under --plots-dir.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from dataclasses import replace
 from pathlib import Path
 
 from benchmarks import llama_cpp_server
 from cluster.bench import report
-from cluster.bench.bench import run_bench
+from cluster.bench.bench import already_running, run_bench, run_levels
 from cluster.bench.workloads import WorkloadSpec
 from cluster.model_fetch import fetch_default_model
 from cluster.serve import launcher
 
 HTTP, GRPC, LLAMA = 18300, 19300, 18500
-
-
-def sweep(label: str, levels: list[int], spec: WorkloadSpec, target_at) -> dict:
-    """One result with a run per level; target_at(level) is a context manager yielding the target."""
-    runs = []
-    for level in levels:
-        with target_at(level) as target:
-            result = run_bench(target, replace(spec, num_prompts=max(8, 2 * level)), label=label, concurrencies=[level])
-        runs += result["runs"]
-    result["runs"] = runs
-    return result
-
-
-def _running(target: str):
-    """A target that is already up, in the shape sweep() and probe() take."""
-    return lambda level: contextlib.nullcontext(target)
 
 
 def probe(label: str, level: int, target_at) -> dict:
@@ -64,6 +46,7 @@ def main():
     levels = [int(x) for x in args.levels.split(",")]
     targets = args.targets.split(",")
     spec = WorkloadSpec("random", input_len=args.input_len, output_len=args.output_len)
+    prompts_at = lambda level: max(8, 2 * level)  # noqa: E731
     out = Path(args.out_dir)
     results, probes = [], {}
 
@@ -78,19 +61,19 @@ def main():
         try:
             for label in labels:
                 target = f"grpc://127.0.0.1:{GRPC}" if label.endswith("grpc") else f"http://127.0.0.1:{HTTP}"
-                results.append(sweep(label, levels, spec, _running(target)))
-                probes[label] = probe(label, max(levels), _running(target))
+                results.append(run_levels(label, levels, spec, already_running(target), prompts_at))
+                probes[label] = probe(label, max(levels), already_running(target))
         finally:
             launcher.stop()
     if "llama.cpp" in targets:
         def llama_at(level):
             return llama_cpp_server.serving(LLAMA, parallel=level, ctx_per_slot=2 * (args.input_len + args.output_len) + 64)
 
-        results.append(sweep("llama.cpp", levels, spec, llama_at))
+        results.append(run_levels("llama.cpp", levels, spec, llama_at, prompts_at))
         probes["llama.cpp"] = probe("llama.cpp", max(levels), llama_at)
     if "hf" in targets:
-        results.append(sweep("hf-static", levels, spec, _running("hf")))
-        probes["hf-static"] = probe("hf-static", max(levels), _running("hf"))
+        results.append(run_levels("hf-static", levels, spec, already_running("hf"), prompts_at))
+        probes["hf-static"] = probe("hf-static", max(levels), already_running("hf"))
 
     for result in results:
         report.save(result, out / f"{result['label']}.json")

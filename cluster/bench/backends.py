@@ -18,6 +18,7 @@ import json
 import time
 
 from cluster.bench.metrics import RequestRecord
+from model.config import ModelConfig
 
 
 def make_backend(target: str, *, ignore_eos: bool, max_batch: int | None = None):
@@ -165,6 +166,7 @@ class HFBackend:
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        self.eos_token_ids = set(ModelConfig.from_dir(self.model_dir).eos_token_ids)
 
     async def close(self) -> None:
         if self._worker is not None:
@@ -207,12 +209,10 @@ class HFBackend:
                 **({"min_new_tokens": longest} if self.ignore_eos else {}),
             )
         new_tokens = output[:, inputs.input_ids.shape[1]:].tolist()
-        eos = set(self.model.generation_config.eos_token_id if isinstance(self.model.generation_config.eos_token_id, list)
-                  else [self.model.generation_config.eos_token_id])
         for row, (_, _, max_tokens, record, _) in enumerate(batch):
             tokens = new_tokens[row][:max_tokens]
             if not self.ignore_eos:
-                end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+                end = next((i + 1 for i, t in enumerate(tokens) if t in self.eos_token_ids), len(tokens))
                 tokens = tokens[:end]
             record.prompt_tokens = int(inputs.attention_mask[row].sum())
             record.output_tokens = len(tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from dataclasses import asdict, replace
 
@@ -49,6 +50,25 @@ def run_bench(
                "burstiness": burstiness, "ignore_eos": ignore_eos, "max_batch": max_batch,
                "slo_ms": {k: v * 1000 for k, v in (slo or {}).items()}}
     return report.result_file(label or target, target, options, runs)
+
+
+def run_levels(label: str, levels: list[int], spec: workloads.WorkloadSpec, target_at, num_prompts_at=None, **options) -> dict:
+    """One result with a run per concurrency level. `target_at(level)` is a context manager that
+    yields the target for that level (a peer may be restarted per level, e.g. with as many slots as
+    requests); `num_prompts_at(level)` sizes each level's workload (default: spec.num_prompts)."""
+    runs = []
+    for level in levels:
+        level_spec = replace(spec, num_prompts=num_prompts_at(level)) if num_prompts_at else spec
+        with target_at(level) as target:
+            result = run_bench(target, level_spec, label=label, concurrencies=[level], **options)
+        runs += result["runs"]
+    result["runs"] = runs
+    return result
+
+
+def already_running(target: str):
+    """`target_at` for a target that is up for every level."""
+    return lambda level: contextlib.nullcontext(target)
 
 
 async def _run_once(backend, requests, warmup_requests, concurrency, request_rate, burstiness, seed, progress):
