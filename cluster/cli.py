@@ -48,15 +48,30 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--grpc-port", type=int, default=9000, show_default=True)
 @click.option("--address", default=None, help="Join this Ray cluster instead of starting a local one.")
 @click.option("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster (default: all).")
-def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus) -> None:
+@click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel size of the model server.")
+@click.option("--disaggregated", is_flag=True, help="Prefill and decode on separate deployments (KV moves between them).")
+@click.option("--prefill-tp", type=click.IntRange(min=1), default=None, help="With --disaggregated: TP size of the prefill side.")
+@click.option("--decode-tp", type=click.IntRange(min=1), default=None, help="With --disaggregated: TP size of the decode side.")
+def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground; Ctrl-C stops it."""
     import signal
 
     from cluster.serve import launcher
 
+    if (prefill_tp or decode_tp) and not disaggregated:
+        raise click.UsageError("--prefill-tp and --decode-tp need --disaggregated (use --tp for one group)")
     args = launcher.load_app_args(config_path)
     if model_dir:
         args["model"] = model_dir
+    engine = args.setdefault("engine", {})
+    if tp:
+        engine["tensor_parallel_size"] = tp
+    if disaggregated:
+        args["disaggregated"] = True
+        if decode_tp:
+            engine["tensor_parallel_size"] = decode_tp
+        if prefill_tp:
+            args.setdefault("prefill_engine", {})["tensor_parallel_size"] = prefill_tp
     def request_stop(*_):
         raise KeyboardInterrupt
 

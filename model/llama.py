@@ -110,12 +110,16 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """Returns final hidden states [T, hidden]; `compute_logits` runs the head on chosen rows."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                after_layer=None) -> torch.Tensor:
+        """Returns final hidden states [T, hidden]; `compute_logits` runs the head on chosen rows.
+        after_layer(i), if given, runs once layer i has written its KV (to ship it while i+1 runs)."""
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(rope, hidden, residual, ctx)
+            if after_layer is not None:
+                after_layer(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -17,9 +17,11 @@ import torch
 
 from model.attention import AttentionContext, build_attention_context
 from model.config import ModelConfig
+from model.kv_transfer import KVExporter, KVImport, KVPart, install, token_slots
 from model.llama import LlamaForCausalLM
 from model.loader import load_weights
 from model.sampler import SamplingRow, TokenLogprobs, sample
+from model.tp_layout import head_shard
 
 
 @dataclass(slots=True)
@@ -28,12 +30,20 @@ class SequenceInput:
     num_computed_tokens: int  # tokens already in the cache before them
     block_ids: list[int]
     sampling: SamplingRow | None  # None: a prefill chunk that is not the prompt's last
+    export_kv_from: int | None = None  # export the KV of positions [this, end of the step)
+    import_kv: KVImport | None = None  # KV computed elsewhere, written in before the step
 
 
 @dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    sampled: list[SampledToken | None]  # per input sequence; None mid-prefill
+    kv_parts: list[list[KVPart]]  # per input sequence: what it exported (disaggregated prefill)
 
 
 @dataclass(slots=True)
@@ -59,15 +69,26 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         reduce=None,
+        kv_put=None,
+        kv_get=None,
     ):
         """With tp_size > 1 this runner is one rank of a tensor-parallel group: it holds its shard
-        of the weights and of the KV cache, and `reduce` all-reduces partial sums across ranks."""
+        of the weights and of the KV cache, and `reduce` all-reduces partial sums across ranks.
+        kv_put / kv_get move exported KV (model/kv_transfer.py); default: in-process."""
         self.config = ModelConfig.from_dir(model_dir)
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
         self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
         with torch.device(self.device), _default_dtype(dtype):
             self.model = LlamaForCausalLM(self.config, self.max_model_len, tp_rank, tp_size, reduce)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
+        c = self.config
+        kv = head_shard(c.num_attention_heads, c.num_key_value_heads, tp_size, tp_rank).kv_heads
+        self.kv_heads = (kv.start, kv.stop)  # global indices
+        # With replicated KV heads only the first rank holding a head exports it.
+        first_holder = all(head_shard(c.num_attention_heads, c.num_key_value_heads, tp_size, r).kv_heads != kv
+                           for r in range(tp_rank))
+        self._exporter = KVExporter(kv_put or (lambda x: x), self.kv_heads) if first_holder else None
+        self._kv_get = kv_get or (lambda xs: xs)
         load_weights(self.model, model_dir)
         if quantization == "int8":
             if self.device.type != "cpu":
@@ -77,7 +98,6 @@ class ModelRunner:
             raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
         self.model.eval()
         self.num_blocks = num_blocks or max(1, kv_cache_bytes // self.bytes_per_block)
-        c = self.config
         # One allocation for all layers: [layers, K/V, blocks, kv_heads, block_size, head_dim]
         self.kv_cache = torch.zeros(
             c.num_hidden_layers, 2, self.num_blocks, self.num_kv_heads, block_size, c.head_dim,
@@ -113,22 +133,38 @@ class ModelRunner:
         return StepTensors(as_long(input_ids), as_long(positions), ctx, as_long(sample_rows), order)
 
     @torch.inference_mode()
-    def forward(self, step: StepTensors) -> torch.Tensor:
+    def forward(self, step: StepTensors, after_layer=None) -> torch.Tensor:
         """The bare model: hidden states -> logits of the rows to sample."""
-        hidden = self.model(step.input_ids, step.positions, step.ctx)
+        hidden = self.model(step.input_ids, step.positions, step.ctx, after_layer)
         return self.model.compute_logits(hidden[step.sample_rows])
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SequenceInput]) -> list[SampledToken | None]:
-        """One step. Returns, per input sequence, its sampled token or None (mid-prefill)."""
+    def execute(self, seqs: list[SequenceInput]) -> StepOutput:
+        """One step: install imported KV, run the model (exporting KV layer by layer where asked),
+        sample. Returns each sequence's sampled token (None mid-prefill) and exported parts."""
+        for s in seqs:
+            if s.import_kv is not None:
+                blocks, offsets = token_slots(s.block_ids, s.import_kv.start, s.import_kv.stop, self.block_size, self.device)
+                install(self.kv_cache, s.import_kv, self.kv_heads, blocks, offsets, self._kv_get)
+        exports = [
+            (i, (s.export_kv_from, end), *token_slots(s.block_ids, s.export_kv_from, end, self.block_size, self.device))
+            for i, s in enumerate(seqs)
+            if s.export_kv_from is not None and self._exporter is not None
+            for end in [s.num_computed_tokens + len(s.new_token_ids)]
+        ]
+        after_layer = None
+        if exports:
+            self._exporter.begin(exports)
+            after_layer = lambda layer: self._exporter.after_layer(layer, self.kv_cache[layer])  # noqa: E731
         step = self.prepare(seqs)
-        logits = self.forward(step)
+        logits = self.forward(step, after_layer)
         sampled_seqs = [i for i in step.order if seqs[i].sampling is not None]
         token_ids, logprobs = sample(logits, [seqs[i].sampling for i in sampled_seqs])
         results: list[SampledToken | None] = [None] * len(seqs)
         for i, token_id, lp in zip(sampled_seqs, token_ids, logprobs):
             results[i] = SampledToken(token_id, lp)
-        return results
+        parts = self._exporter.finish(len(seqs)) if exports else [[] for _ in seqs]
+        return StepOutput(results, parts)
 
 
 def kv_bytes_per_block(config: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:

@@ -46,6 +46,25 @@ def llm(model_dir):
     return LLM(model_dir, num_blocks=1024)
 
 
+PARITY_MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def encoded(llm):
+    """The parity prompts (tests/parity_prompts.py), tokenized by the engine."""
+    from tests.parity_prompts import parity_prompts
+
+    return [llm.engine.encode_prompt(p.get("prompt"), p.get("messages")) for p in parity_prompts()]
+
+
+@pytest.fixture(scope="session")
+def references(hf_model, encoded):
+    """HF transformers' greedy answers to the parity prompts: the oracle."""
+    from tests.hf_reference import hf_greedy
+
+    return [hf_greedy(hf_model, ids, PARITY_MAX_TOKENS) for ids in encoded]
+
+
 SERVER_HTTP_PORT, SERVER_GRPC_PORT, SERVER_METRICS_PORT = 18000, 19000, 18080
 
 
@@ -65,7 +84,8 @@ def server(model_dir):
     }
     # Ray exports metrics every 10 s by default; 1 s lets metric tests settle quickly and surely.
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
-    info = launcher.start(args, SERVER_HTTP_PORT, SERVER_GRPC_PORT, num_cpus=2, metrics_port=SERVER_METRICS_PORT)
+    # 4 logical CPUs on 2 cores: room for the TP worker groups the disaggregation tests add.
+    info = launcher.start(args, SERVER_HTTP_PORT, SERVER_GRPC_PORT, num_cpus=4, metrics_port=SERVER_METRICS_PORT)
     yield {
         "metrics": f"http://127.0.0.1:{SERVER_METRICS_PORT}/metrics",
         "http": f"http://127.0.0.1:{SERVER_HTTP_PORT}",

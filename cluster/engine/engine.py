@@ -11,6 +11,7 @@ synchronous and single-threaded; the server (cluster/serve) runs its step loop i
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import torch
@@ -20,13 +21,14 @@ from cache_service import KVCacheManager
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.errors import InvalidRequestError
-from cluster.engine.outputs import RequestDelta
+from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.prompt import PromptEncoder
-from cluster.engine.request import FinishReason, Request
+from cluster.engine.request import FinishReason, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerPlan
 from model.loader import parse_dtype
-from model.runner import ModelRunner, SampledToken, SequenceInput
+from model.kv_transfer import KVImport
+from model.runner import ModelRunner, SampledToken, SequenceInput, StepOutput
 from model.sampler import SamplingRow
 
 
@@ -48,6 +50,10 @@ class LLMEngine:
 
             self.runner = TPGroup(str(model_dir), config.tensor_parallel_size, **runner_options)
         else:
+            if config.kv_role is not None:  # KV goes to / comes from another process
+                import ray
+
+                runner_options.update(kv_put=ray.put, kv_get=ray.get)
             self.runner = ModelRunner(model_dir, **runner_options)
         self.model_config = self.runner.config
         # A single request must always fit in the cache, or preempting it could never help.
@@ -74,9 +80,17 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         salt: str | None = None,
-    ) -> None:
+        *,
+        export_kv: bool = False,
+        prefilled: PrefillResult | None = None,
+    ) -> list[RequestDelta]:
+        """Queue a request. Disaggregation: `export_kv` (prefill side) collects its KV as it is
+        computed and hands it out with its last delta; `prefilled` (decode side) starts from a
+        prefill engine's first token and KV. Returns deltas ready now (a prefilled first token)."""
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if (export_kv or prefilled) and params.n != 1:
+            raise InvalidRequestError("n", "disaggregated prefill takes n = 1 only")
         self.prompts.check(prompt_token_ids)
         eos = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
@@ -98,13 +112,28 @@ class LLMEngine:
                     eos_token_ids=tuple(eos),
                     max_model_len=self.max_model_len,
                     salt=salt,
+                    export_kv=export_kv,
                 )
             )
             if params.seed is not None:
                 self._generators[child_id] = torch.Generator().manual_seed(params.seed + i)
         self._requests[request_id] = children
+        if prefilled is not None:
+            return self._start_prefilled(children[0], prefilled)
         for child in children:
             self.scheduler.add(child)
+        return []
+
+    def _start_prefilled(self, request: Request, prefilled: PrefillResult) -> list[RequestDelta]:
+        """The first token was sampled by the prefill engine: append it here (stop checks run with
+        this request's own params); unless it ends the request, queue the request with the KV."""
+        if prefilled.generator_state is not None and request.request_id in self._generators:
+            self._generators[request.request_id].set_state(prefilled.generator_state)
+        request.kv_import = prefilled.kv_parts
+        delta = self._append(request, SampledToken(prefilled.token_id, prefilled.logprobs))
+        if not request.is_finished:
+            self.scheduler.add(request)
+        return [delta]
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns whether it was still running."""
@@ -132,40 +161,60 @@ class LLMEngine:
         inputs = []
         for s in plan.scheduled:
             request, start = s.request, s.request.num_computed_tokens
+            imported = None
+            if request.kv_import is not None:  # installed once, before the request's first step
+                imported = KVImport(request.kv_import, request.kv_import_from, request.num_prompt_tokens)
+                request.kv_import = None
             inputs.append(
                 SequenceInput(
                     new_token_ids=request.token_ids[start : start + s.num_new_tokens],
                     num_computed_tokens=start,
                     block_ids=self.kv_cache.block_ids(request.request_id),
                     sampling=self._sampling_row(request) if s.samples else None,
+                    # from 0 on the first chunk: a prefix-cache hit must travel too
+                    export_kv_from=request.num_exported_tokens if request.export_kv else None,
+                    import_kv=imported,
                 )
             )
         return inputs
 
-    def update(self, plan: SchedulerPlan, sampled: list[SampledToken | None]) -> list[RequestDelta]:
+    def update(self, plan: SchedulerPlan, output: StepOutput) -> list[RequestDelta]:
         self.scheduler.update(plan)
         deltas = []
-        for s, token in zip(plan.scheduled, sampled):
-            if token is None:
-                continue
+        for s, token, parts in zip(plan.scheduled, output.sampled, output.kv_parts):
             request = s.request
-            text = request.append_output(token.token_id, token.logprobs)
-            if request.finish_reason is not None:
-                self.scheduler.finish(request, request.finish_reason)
-                self._generators.pop(request.request_id, None)
-                self._forget_if_done(request.parent_id)
-            deltas.append(
-                RequestDelta(
-                    request_id=request.parent_id,
-                    index=request.index,
-                    new_token_ids=[token.token_id],
-                    new_text=text,
-                    new_logprobs=[token.logprobs] if token.logprobs is not None else [],
-                    finish_reason=request.finish_reason.value if request.finish_reason else None,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                )
-            )
+            if request.export_kv:
+                request.kv_parts += parts
+                request.num_exported_tokens = request.num_computed_tokens
+            if token is not None:
+                deltas.append(self._append(request, token))
         return deltas
+
+    def _append(self, request: Request, token: SampledToken) -> RequestDelta:
+        text = request.append_output(token.token_id, token.logprobs)
+        prefilled = None
+        if request.finish_reason is not None:
+            if request.export_kv:
+                generator = self._generators.get(request.request_id)
+                prefilled = PrefillResult(token.token_id, token.logprobs, request.kv_parts,
+                                          generator.get_state() if generator is not None else None,
+                                          time.monotonic() - request.arrival_time)
+            if request.status != RequestStatus.WAITING:  # a prefilled first token may end it unqueued
+                self.scheduler.finish(request, request.finish_reason)
+            else:
+                request.status = RequestStatus.FINISHED
+            self._generators.pop(request.request_id, None)
+            self._forget_if_done(request.parent_id)
+        return RequestDelta(
+            request_id=request.parent_id,
+            index=request.index,
+            new_token_ids=[token.token_id],
+            new_text=text,
+            new_logprobs=[token.logprobs] if token.logprobs is not None else [],
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            prefilled=prefilled,
+        )
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.params

@@ -4,7 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from model.kv_transfer import KVPart
 from model.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What a prefill engine hands a decode engine: the first token and the prompt's KV."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None
+    kv_parts: list[KVPart]
+    generator_state: object | None  # a seeded request's generator after the first sample
+    prefill_s: float = 0.0  # from arrival in the prefill engine to its first token
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(p.nbytes for p in self.kv_parts)
 
 
 @dataclass(slots=True)
@@ -18,6 +34,7 @@ class RequestDelta:
     new_logprobs: list[TokenLogprobs]
     finish_reason: str | None
     num_prompt_tokens: int
+    prefilled: PrefillResult | None = None  # set on the last delta of a request that exported KV
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.sampling_params import SamplingParams
+from model.kv_transfer import KVPart
 from model.sampler import TokenLogprobs
 
 
@@ -48,6 +49,14 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Disaggregation. Prefill side: export this request's KV as it is computed, collected here.
+    export_kv: bool = False
+    num_exported_tokens: int = 0
+    kv_parts: list[KVPart] = field(default_factory=list)
+    # Decode side: KV of the prompt computed elsewhere, installed on admission (then dropped);
+    # the scheduler sets kv_import_from to the first position not already in the prefix cache.
+    kv_import: list[KVPart] | None = None
+    kv_import_from: int = 0
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -83,13 +83,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached, num_cached = self.kv_cache.find_cached_prefix(request.request_id, request.token_ids, request.salt)
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, cached, request.salt):
+            # KV imported from a prefill engine needs no compute, only blocks.
+            num_ready = max(num_cached, request.num_prompt_tokens if request.kv_import is not None else 0)
+            num_new = min(request.num_tokens - num_ready, budget)
+            if not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new, cached, request.salt):
                 break
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
+            request.num_computed_tokens = num_ready
+            request.kv_import_from = num_cached
             self.running.append(request)
             plan.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
@@ -114,6 +117,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
+        request.kv_import = None  # its blocks are gone: it is recomputed here from the start
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

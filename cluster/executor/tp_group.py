@@ -17,7 +17,7 @@ import ray
 import torch
 
 from model.config import ModelConfig
-from model.runner import ModelRunner, kv_bytes_per_block
+from model.runner import ModelRunner, StepOutput, kv_bytes_per_block
 from model.tp_layout import head_shard
 
 
@@ -37,7 +37,8 @@ class TPWorker:
             dist.all_reduce(x)
             return x
 
-        self.runner = ModelRunner(model_dir, tp_rank=rank, tp_size=tp_size, reduce=all_reduce, **runner_kwargs)
+        self.runner = ModelRunner(model_dir, tp_rank=rank, tp_size=tp_size, reduce=all_reduce,
+                                  kv_put=ray.put, kv_get=ray.get, **runner_kwargs)
 
     def describe(self) -> dict:
         context = ray.get_runtime_context()
@@ -46,10 +47,10 @@ class TPWorker:
                 "max_model_len": self.runner.max_model_len}
 
     def execute(self, seqs):
-        results = self.runner.execute(seqs)
+        output = self.runner.execute(seqs)
         if self.rank != 0:
-            return None
-        return results, [s.sampling.generator.get_state() if s.sampling and s.sampling.generator else None for s in seqs]
+            return output.kv_parts, None
+        return output, [s.sampling.generator.get_state() if s.sampling and s.sampling.generator else None for s in seqs]
 
 
 class TPGroup:
@@ -85,13 +86,16 @@ class TPGroup:
         self.num_blocks = num_blocks
         self.max_model_len = self.ranks[0]["max_model_len"]
 
-    def execute(self, seqs):
-        outputs = ray.get([w.execute.remote(seqs) for w in self.workers])
-        results, states = outputs[0]
+    def execute(self, seqs) -> StepOutput:
+        outputs = _get_all([w.execute.remote(seqs) for w in self.workers])
+        output, states = outputs[0]
         for seq, state in zip(seqs, states):
             if state is not None:
                 seq.sampling.generator.set_state(state)
-        return results
+        for kv_parts, _ in outputs[1:]:  # each rank exports its own KV heads
+            for mine, theirs in zip(output.kv_parts, kv_parts):
+                mine += theirs
+        return output
 
     def shutdown(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -99,6 +103,16 @@ class TPGroup:
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.placement)
+
+
+def _get_all(refs: list) -> list:
+    """ray.get of every rank's result, failing as soon as one rank fails: the others then wait
+    in a collective for the lost rank and would never answer."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)  # raises the rank's error (RayActorError when its process died)
+    return ray.get(refs)
 
 
 def _free_port() -> int:

@@ -1,10 +1,15 @@
-"""build_app: the Serve application (Ingress -> LLMServer), from a config dict.
+"""build_app: the Serve application, from a config dict.
+
+    colocated (default):  Ingress -> LLMServer (prefill and decode in one engine)
+    disaggregated:        Ingress -> DecodeServer -> PrefillServer   (KV: object store, layer by layer)
 
     serve run cluster.serve.app:build_app model=/path/to/model
     serve run serve_config.yaml          # the same builder, args from the YAML
-    pagoda serve                         # starts Ray + Serve with gRPC and HTTP, then this
+    pagoda serve [--tp N | --disaggregated --prefill-tp N --decode-tp M]
 
-Deployment options (replicas, max_ongoing_requests, autoscaling, resources) come from the config.
+Each server deployment's engine is a TP group of `tensor_parallel_size` worker actors when > 1.
+Deployment options (replicas, max_ongoing_requests, autoscaling, resources, request router) come
+from the config, separately for each deployment, so prefill and decode scale apart.
 """
 
 from __future__ import annotations
@@ -18,6 +23,15 @@ from cluster.serve.ingress import Ingress, build_fastapi_app
 from cluster.serve.llm_server import LLMServer
 
 GRPC_SERVICER = "cluster.serve.grpc_servicer.add_inference_servicer"
+# Ray Serve's own router: the replica whose past prompts share the longest prefix with this one,
+# unless queue lengths differ by more than the threshold; then power-of-two-choices by load.
+# It is the class ray.serve.llm.request_router re-exports; that package's __init__ needs vLLM or
+# SGLang installed, so the router is named by the module that defines it.
+PREFIX_AFFINITY_ROUTER = {
+    "request_router_class":
+        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",
+    "request_router_kwargs": {"imbalanced_threshold": 4},
+}
 
 
 class DeploymentOptions(BaseModel):
@@ -27,6 +41,8 @@ class DeploymentOptions(BaseModel):
     max_ongoing_requests: int | None = None
     autoscaling_config: dict[str, Any] | None = None
     ray_actor_options: dict[str, Any] | None = None
+    health_check_period_s: float | None = None
+    request_router_config: dict[str, Any] | None = None
 
     def as_kwargs(self) -> dict:
         return self.model_dump(exclude_none=True)
@@ -41,7 +57,12 @@ class AppConfig(BaseModel):
     request_timeout_s: float | None = Field(600.0, gt=0, description="server-side deadline of a request")
     torch_threads: int | None = Field(None, description="torch threads of the engine (default: all CPUs of the node)")
     llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
-        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}))
+        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}, health_check_period_s=2))
+    disaggregated: bool = Field(False, description="prefill on PrefillServer, decode on the LLMServer deployment")
+    prefill_engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options of the prefill side over `engine`")
+    prefill_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
+        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}, health_check_period_s=2,
+        request_router_config=PREFIX_AFFINITY_ROUTER))
     ingress: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
         max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0}))
 
@@ -53,12 +74,18 @@ def build_app(args: dict | None = None):
         from cluster.model_fetch import fetch_default_model
 
         model = str(fetch_default_model())
-    llm_server = serve.deployment(LLMServer, name="LLMServer", **config.llm_server.as_kwargs()).bind(
-        engine_config={"model": model, **config.engine},
-        max_waiting_requests=config.max_waiting_requests,
-        request_timeout_s=config.request_timeout_s,
-        torch_threads=config.torch_threads,
-    )
+    common = dict(max_waiting_requests=config.max_waiting_requests, request_timeout_s=config.request_timeout_s,
+                  torch_threads=config.torch_threads)
+    prefill_server = None
+    if config.disaggregated:
+        prefill_server = serve.deployment(LLMServer, name="PrefillServer", **config.prefill_server.as_kwargs()).bind(
+            engine_config={"model": model, **config.engine, **config.prefill_engine, "kv_role": "prefill"}, **common)
+    decode_engine = {"model": model, **config.engine, **({"kv_role": "decode"} if config.disaggregated else {})}
+    decode_options = config.llm_server.as_kwargs()
+    if config.disaggregated:
+        decode_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)
+    llm_server = serve.deployment(LLMServer, name="LLMServer", **decode_options).bind(
+        engine_config=decode_engine, prefill_server=prefill_server, **common)
     ingress_cls = serve.ingress(build_fastapi_app)(Ingress)
     return serve.deployment(ingress_cls, name="Ingress", **config.ingress.as_kwargs()).bind(llm_server)
 

@@ -17,3 +17,7 @@ class RequestTooLargeError(ValueError):
 
 class UnsupportedInputError(InvalidRequestError):
     """A well-formed input this server cannot handle yet, e.g. image parts (UNIMPLEMENTED / 400)."""
+
+
+class WorkerLostError(RuntimeError):
+    """A worker actor of the engine died (503 / UNAVAILABLE): Serve replaces the replica; retry."""

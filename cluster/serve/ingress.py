@@ -28,6 +28,7 @@ from cluster.serve.errors import (
     RequestTimeoutError,
     RequestTooLargeError,
     UnsupportedInputError,
+    WorkerLostError,
 )
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.openai_protocol import (
@@ -60,6 +61,8 @@ def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
         return 429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause) or "overloaded; retry later"
     if isinstance(cause, (RequestTimeoutError, TimeoutError)):
         return 504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED, str(cause) or "timed out"
+    if isinstance(cause, WorkerLostError):
+        return 503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, str(cause)
     if isinstance(cause, (DeploymentUnavailableError, RayActorError)):
         return 503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, "the model server is unavailable; retry later"
     logger.exception("internal error", exc_info=exc)
@@ -157,16 +160,22 @@ class Ingress:
         return await self.llm.stats.remote()
 
     async def status(self):
-        """Deployments and their replicas (from Serve) plus the engine's statistics."""
+        """Deployments and their replicas (from Serve), every engine group with its ranks and
+        where they run, plus one engine's statistics."""
         from ray import serve
 
-        app_status = serve.status().applications.get("pagoda")
+        from cluster.serve.topology import describe_groups
+
+        app_name = serve.get_replica_context().app_name
+        app_status = serve.status().applications.get(app_name)
         deployments = {
             name: {"status": str(d.status.value if hasattr(d.status, "value") else d.status),
                    "replicas": dict(d.replica_states)}
             for name, d in (app_status.deployments.items() if app_status else [])
         }
-        return {"deployments": deployments, "engine": await self.llm.stats.remote(), "model": self.model_name}
+        groups = await asyncio.to_thread(describe_groups, app_name)
+        return {"app": app_name, "deployments": deployments, "groups": groups,
+                "engine": await self.llm.stats.remote(), "model": self.model_name}
 
     async def completions(self, raw: Request):
         return await self._openai(raw, CompletionRequest, "completion")

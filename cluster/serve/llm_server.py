@@ -7,12 +7,20 @@
 The engine is single-threaded, so only the engine thread touches it; callers talk to it through a
 thread-safe inbox and receive deltas on their own asyncio queue. A caller that goes away (client
 cancel, disconnect) aborts its request in `finally`, which frees its blocks on the next loop turn.
+
+Disaggregated, the same class plays two roles (engine_config["kv_role"]):
+  prefill: `prefill()` runs a prompt to its first token and returns it with the prompt's KV, which
+           the engine's workers put into Ray's object store layer by layer while they compute;
+  decode:  `generate()` first asks a prefill deployment (the `prefill_server` handle; Serve's
+           router picks the replica by load and prefix affinity), streams that first token, and
+           admits the request with the KV, which its workers read from the object store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
@@ -27,7 +35,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
-from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError
+from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError, WorkerLostError
 from cluster.serve.metrics import EngineMetrics, start_gpu_telemetry
 
 logger = logging.getLogger("pagoda.llm_server")
@@ -41,6 +49,12 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     timeout_s: float | None = None
+
+    @property
+    def prompt(self) -> str:
+        """The prompt as one character per token, for Serve's PrefixCacheAffinityRouter (which
+        matches string prefixes): a shared string prefix is exactly a shared token prefix."""
+        return "".join(map(chr, self.prompt_token_ids))
 
 
 @dataclass(slots=True)
@@ -70,9 +84,12 @@ class LLMServer:
         max_waiting_requests: int = 256,
         request_timeout_s: float | None = 600.0,
         torch_threads: int | None = None,
+        prefill_server=None,
     ):
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout_s = request_timeout_s
+        self.prefill_server = prefill_server  # a DeploymentHandle when prefill is disaggregated
+        self._worker_lost: str | None = None  # why the engine can no longer run, if it cannot
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -96,18 +113,43 @@ class LLMServer:
 
     async def generate(self, request: GenerationRequest):
         """Yields RequestDelta objects until every candidate has finished."""
+        prefilled = None
+        now = time.monotonic()
+        if self.prefill_server is not None and request.params.n == 1:  # n > 1: prefilled here
+            self._check_admission(request)
+            last = await self.prefill_server.prefill.remote(request)
+            if last.finish_reason == "abort":  # cannot happen unless the prefill side stopped it
+                raise RuntimeError("the prefill server stopped the request")
+            prefilled = last.prefilled
+        async for delta in self._generate(request, arrival=now, prefilled=prefilled):
+            yield delta
+
+    async def prefill(self, request: GenerationRequest):
+        """Disaggregated prefill: run the prompt to its first token; returns that token's delta,
+        whose `prefilled` holds the KV (object-store references) for the decode side."""
+        one_token = dataclasses.replace(request, params=dataclasses.replace(request.params, max_tokens=1))
+        last = None
+        async for delta in self._generate(one_token, arrival=time.monotonic(), export_kv=True):
+            last = delta
+        return last
+
+    def _check_admission(self, request: GenerationRequest) -> None:
+        if self._worker_lost is not None:
+            raise WorkerLostError(self._worker_lost)
         # The inbox is a fair count of what the engine thread has not taken yet.
         if self._inbox.qsize() + len(self.engine.scheduler.waiting) >= self.max_waiting_requests:
             raise EngineOverloadedError(f"more than {self.max_waiting_requests} requests are waiting; retry later")
         self.engine.prompts.check(request.prompt_token_ids)
+
+    async def _generate(self, request: GenerationRequest, arrival: float, export_kv: bool = False, prefilled=None):
+        self._check_admission(request)
         timeout = request.timeout_s or self.request_timeout_s
-        now = time.monotonic()
         stream = _Stream(
-            asyncio.get_running_loop(), asyncio.Queue(), now + timeout if timeout else None,
-            request.params.n, arrival=now,
+            asyncio.get_running_loop(), asyncio.Queue(), arrival + timeout if timeout else None,
+            request.params.n, arrival=arrival,
         )
         request_id = f"{request.request_id}-{next(self._ids)}"  # unique even if a client reuses ids
-        self._send(("add", request_id, request, stream))
+        self._send(("add", request_id, request, stream, export_kv, prefilled))
         finished, num_unfinished = False, request.params.n
         try:
             while True:
@@ -150,10 +192,26 @@ class LLMServer:
             "num_preemptions": engine.scheduler.num_preemptions,
         }
 
+    def describe(self) -> dict:
+        """This replica's engine: its role and its ranks, with where each one runs."""
+        import ray
+
+        runner = self.engine.runner
+        ranks = getattr(runner, "ranks", None)
+        if ranks is None:  # TP=1: the model runs in this replica's own process
+            ranks = [{"rank": 0, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                      "kv_heads": runner.num_kv_heads, "num_blocks": runner.num_blocks}]
+        return {"role": self.engine.config.kv_role or "colocated",
+                "tensor_parallel_size": self.engine.config.tensor_parallel_size,
+                "replica_pid": os.getpid(), "ranks": ranks, "stats": self.stats()}
+
     def check_health(self) -> None:
-        """Serve calls this periodically; a dead engine thread makes the replica unhealthy."""
+        """Serve calls this periodically; a dead engine thread or a lost worker makes the replica
+        unhealthy, and Serve replaces it."""
         if not self._thread.is_alive():
             raise RuntimeError("the engine thread has stopped")
+        if self._worker_lost is not None:
+            raise RuntimeError(self._worker_lost)
 
     def shutdown(self) -> None:
         """Stop the engine thread and wait for it (a thread killed inside torch at interpreter
@@ -185,6 +243,12 @@ class LLMServer:
         built.set_result(engine)
         self._ready.wait()  # metrics exist before the first step
         while not self._stopped:
+            if self._worker_lost is not None:  # until Serve replaces this replica: fail fast
+                self._drain_inbox()
+                self._fail_all(WorkerLostError(self._worker_lost))
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
             self._drain_inbox()
             self._expire_deadlines()
             if not engine.has_unfinished_requests():
@@ -193,7 +257,12 @@ class LLMServer:
                 continue
             try:
                 deltas = engine.step()
-            except Exception:  # a bug must not leave callers waiting forever: fail their requests
+            except Exception as e:  # a bug must not leave callers waiting forever: fail their requests
+                if _is_lost_worker(e):  # a TP rank's process died: this engine cannot run again
+                    self._worker_lost = f"a worker of this model server died ({type(e).__name__}); retry"
+                    logger.error("%s", self._worker_lost)
+                    engine.runner.shutdown()  # the other ranks would wait in a collective forever
+                    continue
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(RuntimeError("the engine failed while running this request"))
                 continue
@@ -208,14 +277,17 @@ class LLMServer:
             except queue.Empty:
                 return
             if message[0] == "add":
-                _, request_id, request, stream = message
+                _, request_id, request, stream, export_kv, prefilled = message
                 try:
-                    self.engine.add_request(request_id, request.prompt_token_ids, request.params)
+                    ready = self.engine.add_request(request_id, request.prompt_token_ids, request.params,
+                                                    export_kv=export_kv, prefilled=prefilled)
                 except Exception as e:  # invalid input: the caller gets the error, the loop goes on
                     stream.put(e)
                     continue
                 self._streams[request_id] = stream
                 self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+                for delta in ready:  # a prefilled request's first token
+                    self._deliver(delta)
             else:
                 _, request_id = message
                 self.engine.abort_request(request_id)
@@ -263,3 +335,9 @@ class LLMServer:
             m.e2e.observe(now - stream.arrival)
             if stream.num_tokens > 1:
                 m.tpot.observe((now - stream.first_token) / (stream.num_tokens - 1))
+
+
+def _is_lost_worker(error: Exception) -> bool:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError))

@@ -1,34 +1,12 @@
 """Greedy outputs equal HF transformers token for token on the real default model: run
 concurrently, with chunked prefill forced small, with prefix-cache hits, and under preemption."""
 
-import pytest
-
 from cluster import LLM, SamplingParams
-from tests.hf_reference import compare, hf_greedy
+from tests.conftest import PARITY_MAX_TOKENS
+from tests.hf_reference import check_all
 from tests.parity_prompts import parity_prompts
 
-MAX_TOKENS = 24
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-
-
-@pytest.fixture(scope="module")
-def encoded(llm):
-    return [
-        llm.engine.encode_prompt(p.get("prompt"), p.get("messages"))
-        for p in parity_prompts()
-    ]
-
-
-@pytest.fixture(scope="module")
-def references(hf_model, encoded):
-    return [hf_greedy(hf_model, ids, MAX_TOKENS) for ids in encoded]
-
-
-def check_all(outputs, references):
-    verdicts = [compare(o.outputs[0].token_ids, ref) for o, ref in zip(outputs, references)]
-    # A near-tie is a legitimate divergence, but it must stay the exception.
-    assert verdicts.count("near-tie") <= 2, verdicts
-    return verdicts
+GREEDY = SamplingParams(max_tokens=PARITY_MAX_TOKENS, temperature=0)
 
 
 def test_tokenization_is_hf(llm, tokenizer, encoded):
@@ -39,12 +17,12 @@ def test_tokenization_is_hf(llm, tokenizer, encoded):
 
 
 def test_concurrent_greedy_matches_hf(llm, encoded, references):
-    check_all(llm.generate(encoded, GREEDY), references)
+    check_all([o.outputs[0].token_ids for o in llm.generate(encoded, GREEDY)], references)
 
 
 def test_small_prefill_chunks_match_hf(model_dir, encoded, references):
     chunked = LLM(model_dir, num_blocks=1024, max_num_batched_tokens=48)
-    check_all(chunked.generate(encoded, GREEDY), references)
+    check_all([o.outputs[0].token_ids for o in chunked.generate(encoded, GREEDY)], references)
     assert chunked.engine.num_free_blocks == chunked.engine.num_blocks
 
 
@@ -55,7 +33,7 @@ def test_prefix_cache_hits_match_hf(llm, encoded, references):
     outputs = llm.generate(encoded, GREEDY)
     # every long prompt is served from the cache but for its last partial block
     assert stats.num_hit_tokens - hits_before >= sum(len(ids) - 16 for ids in encoded if len(ids) > 2000)
-    check_all(outputs, references)
+    check_all([o.outputs[0].token_ids for o in outputs], references)
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
 
 
@@ -65,5 +43,5 @@ def test_preempted_requests_still_match_hf(model_dir, encoded, references):
     tight = LLM(model_dir, num_blocks=12)
     outputs = tight.generate([encoded[i] for i in short], GREEDY)
     assert tight.engine.scheduler.num_preemptions > 0
-    check_all(outputs, [references[i] for i in short])
+    check_all([o.outputs[0].token_ids for o in outputs], [references[i] for i in short])
     assert tight.engine.num_free_blocks == 12

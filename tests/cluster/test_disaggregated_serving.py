@@ -1,0 +1,167 @@
+"""Tensor parallelism and disaggregated prefill/decode over the real server: each configuration is
+its own Serve application on the session's Ray cluster (route prefix and gRPC `application`
+metadata select it), deployed for its test and deleted after.
+
+- TP=2 colocated, and prefill TP=2 -> decode TP=1 disaggregated (KV re-sharded on the way): greedy
+  answers to the parity prompts equal HF transformers token for token.
+- `pagoda status --json` shows the groups, their ranks and where each runs.
+- Killing a decode worker mid-stream: the client gets UNAVAILABLE within 5 s, the prefill side
+  holds no blocks, and once Serve has replaced the decode replica the next request succeeds.
+"""
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import grpc
+import pytest
+import requests
+from click.testing import CliRunner
+
+from cluster.cli import main as cli
+from protos import inference_pb2 as pb
+from protos import inference_pb2_grpc as pb_grpc
+from tests.conftest import PARITY_MAX_TOKENS
+from tests.hf_reference import check_all
+from tests.parity_prompts import parity_prompts
+
+
+@contextmanager
+def deployed(server, name: str, route: str, **args):
+    """One more Pagoda application on the session's cluster, until the block ends."""
+    from ray import serve
+
+    from cluster.serve.app import build_app
+
+    app_args = {"model": server["model_dir"], "torch_threads": 1, "request_timeout_s": 60,
+                "engine": {"num_blocks": 256, **args.pop("engine", {})},
+                "llm_server": {"ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 1},
+                "prefill_server": {"ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 1},
+                **args}
+    serve.run(build_app(app_args), name=name, route_prefix=route, blocking=False)
+    base = f"{server['http']}{route}"
+    wait_healthy(base, timeout_s=300)
+    channel = grpc.insecure_channel(server["grpc"])
+    try:
+        yield {"http": base, "stub": pb_grpc.InferenceStub(channel), "metadata": (("application", name),),
+               "address": f"{server['http'].removeprefix('http://')}{route}"}
+    finally:
+        channel.close()
+        serve.delete(name)
+
+
+def wait_healthy(base: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{base}/health", timeout=30).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base} did not become healthy in {timeout_s:.0f} s")
+
+
+def grpc_request(prompt: dict, **sampling) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(**{"max_tokens": PARITY_MAX_TOKENS, "temperature": 0, **sampling})
+    if "prompt" in prompt:
+        return pb.GenerateRequest(prompt=prompt["prompt"], sampling=sampling)
+    messages = [pb.Message(role=m["role"], parts=[pb.Part(text=m["content"])]) for m in prompt["messages"]]
+    return pb.GenerateRequest(messages=messages, sampling=sampling)
+
+
+def answer(app, request: pb.GenerateRequest, timeout: float = 300) -> list[int]:
+    return [t for r in app["stub"].Generate(request, metadata=app["metadata"], timeout=timeout) for t in r.token_ids]
+
+
+def parity_answers(app) -> list[list[int]]:
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda p: answer(app, grpc_request(p)), parity_prompts()))
+
+
+def status(app) -> dict:
+    result = CliRunner().invoke(cli, ["status", "--json", "--http", app["address"]])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def all_blocks_free(group: dict) -> bool:
+    return group["stats"]["kv_blocks_free"] == group["stats"]["kv_blocks_total"]
+
+
+@pytest.fixture(scope="module")
+def server_with_model(server, model_dir):
+    return {**server, "model_dir": model_dir}
+
+
+def test_tp2_colocated_server_matches_hf(server_with_model, references):
+    with deployed(server_with_model, "pagoda-tp2", "/tp2", engine={"tensor_parallel_size": 2}) as app:
+        check_all(parity_answers(app), references)
+        report = status(app)
+    (group,) = report["groups"]
+    assert group["deployment"] == "LLMServer" and group["role"] == "colocated" and group["tensor_parallel_size"] == 2
+    ranks = group["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and [r["kv_heads"] for r in ranks] == [2, 1]
+    assert len({r["pid"] for r in ranks} | {group["replica_pid"]}) == 3  # two worker processes + the replica
+    assert all(r["node_id"] and r["node_ip"] for r in ranks)
+    assert all_blocks_free(group)
+
+
+def test_disaggregated_prefill_tp2_decode_tp1_matches_hf(server_with_model, references):
+    with deployed(server_with_model, "pagoda-pd", "/pd", disaggregated=True,
+                  prefill_engine={"tensor_parallel_size": 2}) as app:
+        check_all(parity_answers(app), references)
+        report = status(app)
+    groups = {g["deployment"]: g for g in report["groups"]}
+    prefill, decode = groups["PrefillServer"], groups["LLMServer"]
+    assert (prefill["role"], prefill["tensor_parallel_size"], len(prefill["ranks"])) == ("prefill", 2, 2)
+    assert (decode["role"], decode["tensor_parallel_size"], len(decode["ranks"])) == ("decode", 1, 1)
+    assert decode["ranks"][0]["kv_heads"] == 3 and decode["ranks"][0]["pid"] == decode["replica_pid"]
+    assert all_blocks_free(prefill) and all_blocks_free(decode)
+    assert set(report["deployments"]) == {"Ingress", "PrefillServer", "LLMServer"}
+
+
+def test_killing_a_decode_worker_fails_the_stream_fast_and_serve_recovers(server_with_model):
+    long_answer = grpc_request({"prompt": "Write a long story about a lighthouse keeper."},
+                               max_tokens=400, ignore_eos=True)
+    with deployed(server_with_model, "pagoda-kill", "/kill", disaggregated=True,
+                  engine={"tensor_parallel_size": 2}, prefill_engine={"tensor_parallel_size": 1}) as app:
+        groups = {g["deployment"]: g for g in status(app)["groups"]}
+        victim = groups["LLMServer"]["ranks"][1]["pid"]  # a decode worker actor's process
+        stream = app["stub"].Generate(long_answer, metadata=app["metadata"], timeout=120)
+        received = len(next(stream).token_ids) + len(next(stream).token_ids)  # streaming has begun
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failure:
+            for response in stream:
+                received += len(response.token_ids)
+        assert time.monotonic() - killed_at < 5.0
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value.details()
+        assert "worker" in failure.value.details()
+        assert received < 400
+
+        # The prefill side let go of everything it held.
+        deadline = time.monotonic() + 10
+        while not all_blocks_free(prefill := next(g for g in status(app)["groups"] if g["deployment"] == "PrefillServer")):
+            assert time.monotonic() < deadline, prefill["stats"]
+            time.sleep(0.2)
+
+        # Serve replaces the unhealthy decode replica (and its workers); then requests succeed.
+        short = grpc_request({"prompt": "The capital of France is"}, max_tokens=8)
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                tokens = answer(app, short, timeout=60)
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()  # never anything else
+                assert time.monotonic() < deadline, "Serve did not replace the decode replica"
+                time.sleep(1)
+        assert len(tokens) == 8
+        groups = {g["deployment"]: g for g in status(app)["groups"]}
+        new_pids = {r["pid"] for r in groups["LLMServer"]["ranks"]}
+        assert victim not in new_pids and len(new_pids) == 2
+        assert all_blocks_free(groups["PrefillServer"]) and all_blocks_free(groups["LLMServer"])
