@@ -31,6 +31,8 @@ class TokenLogprobs:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [S, vocab] float32, one row per entry of `rows`."""
+    if any(row.temperature > 0 or row.num_logprobs is not None for row in rows):
+        logits = logits.cpu()  # seeded draws use CPU generators: the same tokens on every device
     token_ids = logits.max(dim=-1).indices  # the first maximum, as argmax; faster on CPU
     random_rows = [i for i, row in enumerate(rows) if row.temperature > 0]
     if random_rows:

@@ -71,13 +71,16 @@ class TPGroup:
                          "dtype": dtype, "device": device, "quantization": quantization}
         if not ray.is_initialized():
             ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
-        self.placement = placement_group([{"CPU": cpus_per_worker}] * tp_size, strategy="PACK")
+        # On CUDA each rank gets a GPU of its own (Ray sets CUDA_VISIBLE_DEVICES: it is cuda:0 there).
+        gpus = 1 if device.startswith("cuda") else 0
+        bundle = {"CPU": cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+        self.placement = placement_group([bundle] * tp_size, strategy="PACK")
         ray.get(self.placement.ready(), timeout=120)
         init_method = f"tcp://127.0.0.1:{_free_port()}"  # one host here; rank 0's node on a cluster
         worker = ray.remote(TPWorker)
         threads = torch_threads or max(1, (os.cpu_count() or 1) // tp_size)
         self.workers = [
-            worker.options(num_cpus=cpus_per_worker, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            worker.options(num_cpus=cpus_per_worker, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.placement, placement_group_bundle_index=rank)).remote(
                 model_dir, rank, tp_size, init_method, runner_kwargs, threads)
             for rank in range(tp_size)
