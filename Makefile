@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The constraint keeps the local CPU torch wheel; on GPU machines run: pip install -e '.[test]'
-	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q -e '.[test]'
+	# DS_BUILD_OPS=0: deepspeed compiles the one op Pagoda uses (CPU shared-memory all-reduce) on first use
+	DS_BUILD_OPS=0 PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -20,6 +20,7 @@ class EngineConfig:
     quantization: str | None = None
     device: str = "cpu"
     tensor_parallel_size: int = 1  # > 1: a group of Ray actors, one per rank (cluster/executor)
+    tp_collective: str = "auto"  # "auto" (NCCL / deepspeed shared memory / gloo) or "gloo"
     seed: int = 0  # for requests that bring no seed of their own
     # Disaggregation: "prefill" or "decode" engines move KV through Ray's object store.
     kv_role: str | None = None
@@ -28,5 +29,7 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tp_collective not in ("auto", "gloo"):
+            raise ValueError(f"tp_collective must be 'auto' or 'gloo', got {self.tp_collective!r}")
         if self.kv_role not in (None, "prefill", "decode"):
             raise ValueError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")

@@ -48,7 +48,8 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             from cluster.executor.tp_group import TPGroup
 
-            self.runner = TPGroup(str(model_dir), config.tensor_parallel_size, **runner_options)
+            self.runner = TPGroup(str(model_dir), config.tensor_parallel_size, collective=config.tp_collective,
+                                  **runner_options)
         else:
             if config.kv_role is not None:  # KV goes to / comes from another process
                 import ray

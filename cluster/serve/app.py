@@ -60,6 +60,7 @@ class AppConfig(BaseModel):
         max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}, health_check_period_s=2))
     disaggregated: bool = Field(False, description="prefill on PrefillServer, decode on the LLMServer deployment")
     prefill_engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options of the prefill side over `engine`")
+    prefill_torch_threads: int | None = Field(None, description="torch threads of the prefill engine (default: torch_threads)")
     prefill_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
         max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}, health_check_period_s=2,
         request_router_config=PREFIX_AFFINITY_ROUTER))
@@ -79,7 +80,8 @@ def build_app(args: dict | None = None):
     prefill_server = None
     if config.disaggregated:
         prefill_server = serve.deployment(LLMServer, name="PrefillServer", **config.prefill_server.as_kwargs()).bind(
-            engine_config={"model": model, **config.engine, **config.prefill_engine, "kv_role": "prefill"}, **common)
+            engine_config={"model": model, **config.engine, **config.prefill_engine, "kv_role": "prefill"},
+            **{**common, "torch_threads": config.prefill_torch_threads or config.torch_threads})
     decode_engine = {"model": model, **config.engine, **({"kv_role": "decode"} if config.disaggregated else {})}
     decode_options = config.llm_server.as_kwargs()
     if config.disaggregated:

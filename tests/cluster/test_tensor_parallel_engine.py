@@ -29,3 +29,5 @@ def test_tp2_ranks_hold_their_kv_heads(tp2):
     ranks = sorted(tp2.engine.runner.ranks, key=lambda r: r["rank"])
     assert [r["kv_heads"] for r in ranks] == [2, 1]  # SmolLM2's 3 KV heads: 2 + 1
     assert len({r["pid"] for r in ranks}) == 2 and all(r["num_blocks"] == 64 for r in ranks)
+    # one host: deepspeed's shared-memory all-reduce, not gloo over TCP
+    assert [r["collective"] for r in ranks] == ["deepspeed-shm"] * 2
