@@ -36,6 +36,10 @@ bench: model
 	$(BIN)/python -m benchmarks.perplexity
 	$(BIN)/python -m benchmarks.serving_latency
 	$(BIN)/python -m benchmarks.serving_sweep
+	$(BIN)/python -m benchmarks.allreduce
+	$(BIN)/python -m benchmarks.tp_step_time
+	$(BIN)/python -m benchmarks.kv_transfer
+	$(BIN)/python -m benchmarks.disaggregation
 
 clean:
 	rm -rf $(VENV)

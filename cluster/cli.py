@@ -72,6 +72,12 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
             engine["tensor_parallel_size"] = decode_tp
         if prefill_tp:
             args.setdefault("prefill_engine", {})["tensor_parallel_size"] = prefill_tp
+    from cluster.serve.app import check_app_args
+
+    try:
+        check_app_args(args)  # a bad option or TP size fails here, before Ray starts
+    except Exception as e:  # noqa: BLE001 - pydantic, EngineConfig and model errors all name the option
+        raise click.ClickException(str(e)) from None
     def request_stop(*_):
         raise KeyboardInterrupt
 

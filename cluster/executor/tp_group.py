@@ -3,8 +3,8 @@ joined by torch.distributed. The engine drives it like a ModelRunner: `execute(s
 step on every rank (each layer's all-reduce needs all of them) and returns rank 0's sampled tokens.
 
 The all-reduce: NCCL on CUDA. On CPU, with every rank on one host, deepspeed.comm's shared-memory
-all-reduce (measured on 2 cores, 576-wide rows: 5 us for 1 row and 18 us for 32, against gloo's
-787 us and 984 us over loopback TCP; two all-reduces a layer make gloo cost ~50 ms a step);
+all-reduce (benchmarks/allreduce.py, 2 cores, 576-wide rows: 5 us for 1 row and 18 us for 32,
+against gloo's 736 us and 677 us over loopback TCP; two all-reduces a layer make gloo cost ~50 ms a step);
 gloo when ranks span hosts or deepspeed is missing. deepspeed compiles its op once (~25 s).
 
 Sampling happens on rank 0 with copies of the engine's per-request generators (they travel

@@ -62,29 +62,47 @@ class AppConfig(BaseModel):
     prefill_engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options of the prefill side over `engine`")
     prefill_torch_threads: int | None = Field(None, description="torch threads of the prefill engine (default: torch_threads)")
     prefill_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
-        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}, health_check_period_s=2,
-        request_router_config=PREFIX_AFFINITY_ROUTER))
+        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}, health_check_period_s=2))
     ingress: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
         max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0}))
 
 
-def build_app(args: dict | None = None):
+def check_app_args(args: dict) -> tuple[AppConfig, dict | None, dict]:
+    """Validates the app args before anything is deployed: every option, and that each engine's
+    tensor-parallel size splits the model's heads (a replica that cannot start would otherwise be
+    retried by Serve until a timeout). Returns (config, prefill engine or None, decode engine)."""
+    from cluster.engine.config import EngineConfig
+    from model.config import ModelConfig
+    from model.tp_layout import head_shard
+
     config = AppConfig.model_validate(_parse_cli_args(args or {}))
     model = config.model
     if model is None:
         from cluster.model_fetch import fetch_default_model
 
         model = str(fetch_default_model())
+    prefill = {"model": model, **config.engine, **config.prefill_engine, "kv_role": "prefill"} if config.disaggregated else None
+    decode = {"model": model, **config.engine, **({"kv_role": "decode"} if config.disaggregated else {})}
+    model_config = ModelConfig.from_dir(model)
+    for engine in filter(None, (prefill, decode)):
+        tp = EngineConfig(**engine).tensor_parallel_size  # unknown or bad options raise here
+        head_shard(model_config.num_attention_heads, model_config.num_key_value_heads, tp, 0)
+    return config, prefill, decode
+
+
+def build_app(args: dict | None = None):
+    config, prefill_engine, decode_engine = check_app_args(args or {})
     common = dict(max_waiting_requests=config.max_waiting_requests, request_timeout_s=config.request_timeout_s,
                   torch_threads=config.torch_threads)
     prefill_server = None
     if config.disaggregated:
-        prefill_server = serve.deployment(LLMServer, name="PrefillServer", **config.prefill_server.as_kwargs()).bind(
-            engine_config={"model": model, **config.engine, **config.prefill_engine, "kv_role": "prefill"},
+        prefill_options = config.prefill_server.as_kwargs()
+        prefill_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)
+        prefill_server = serve.deployment(LLMServer, name="PrefillServer", **prefill_options).bind(
+            engine_config=prefill_engine,
             **{**common, "torch_threads": config.prefill_torch_threads or config.torch_threads})
-    decode_engine = {"model": model, **config.engine, **({"kv_role": "decode"} if config.disaggregated else {})}
     decode_options = config.llm_server.as_kwargs()
-    if config.disaggregated:
+    if config.disaggregated:  # unless the config names another router
         decode_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)
     llm_server = serve.deployment(LLMServer, name="LLMServer", **decode_options).bind(
         engine_config=decode_engine, prefill_server=prefill_server, **common)

@@ -189,6 +189,7 @@ class LLMServer:
             "kv_blocks_free": engine.num_free_blocks,
             "kv_usage": pool.usage,
             "prefix_cache_hit_rate": pool.stats.hit_rate,
+            "prefix_cache_queried_tokens": pool.stats.num_queried_tokens,
             "num_preemptions": engine.scheduler.num_preemptions,
         }
 

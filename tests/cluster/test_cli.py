@@ -67,3 +67,15 @@ def test_generate_on_a_directory_that_is_not_a_model(tmp_path):
     prompts.write_text('{"prompt": "hi"}\n')
     result = run("generate", "--offline", "--model", str(tmp_path), "--prompts-file", str(prompts))
     assert result.returncode != 0 and "no config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "4"], "tensor parallel size 4 does not fit 9 query heads over 3 KV heads"),
+    (["--disaggregated", "--prefill-tp", "6"], "tensor parallel size 6"),
+    (["--prefill-tp", "2"], "--prefill-tp and --decode-tp need --disaggregated"),
+])
+def test_serve_refuses_a_bad_scale_out_shape_before_starting_anything(model_dir, args, message):
+    result = run("serve", "--model", model_dir, "--http-port", "18999", *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "pagoda ready" not in result.stdout and "Traceback" not in result.stderr

@@ -5,6 +5,8 @@ metadata select it), deployed for its test and deleted after.
 - TP=2 colocated, and prefill TP=2 -> decode TP=1 disaggregated (KV re-sharded on the way): greedy
   answers to the parity prompts equal HF transformers token for token.
 - `pagoda status --json` shows the groups, their ranks and where each runs.
+- With two prefill replicas, Serve's prefix-affinity router sends prompts that share a prefix to
+  the replica that holds it.
 - Killing a decode worker mid-stream: the client gets UNAVAILABLE within 5 s, the prefill side
   holds no blocks, and once Serve has replaced the decode replica the next request succeeds.
 """
@@ -26,7 +28,7 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
 from tests.conftest import PARITY_MAX_TOKENS
 from tests.hf_reference import check_all
-from tests.parity_prompts import parity_prompts
+from tests.parity_prompts import DOC, parity_prompts
 
 
 @contextmanager
@@ -124,11 +126,20 @@ def test_disaggregated_prefill_tp2_decode_tp1_matches_hf(server_with_model, refe
     assert set(report["deployments"]) == {"Ingress", "PrefillServer", "LLMServer"}
 
 
-def test_killing_a_decode_worker_fails_the_stream_fast_and_serve_recovers(server_with_model):
+def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_and_serve_recovers(server_with_model):
     long_answer = grpc_request({"prompt": "Write a long story about a lighthouse keeper."},
                                max_tokens=400, ignore_eos=True)
-    with deployed(server_with_model, "pagoda-kill", "/kill", disaggregated=True,
+    prefill_server = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 1}
+    with deployed(server_with_model, "pagoda-kill", "/kill", disaggregated=True, prefill_server=prefill_server,
                   engine={"tensor_parallel_size": 2}, prefill_engine={"tensor_parallel_size": 1}) as app:
+        # Prompts sharing a long prefix all go to the prefill replica that has it cached.
+        for question in ("Summarize it.", "What is it about?", "Name one topic in it."):
+            answer(app, grpc_request({"prompt": DOC[:2000] + "\n" + question}, max_tokens=2))
+        prefills = [g for g in status(app)["groups"] if g["deployment"] == "PrefillServer"]
+        queried = sorted(g["stats"]["prefix_cache_queried_tokens"] for g in prefills)
+        assert len(prefills) == 2 and queried[0] == 0 and queried[1] > 0, [g["stats"] for g in prefills]
+        assert max(g["stats"]["prefix_cache_hit_rate"] for g in prefills) > 0.4  # 2 of 3 prompts hit ~all but a block
+
         groups = {g["deployment"]: g for g in status(app)["groups"]}
         victim = groups["LLMServer"]["ranks"][1]["pid"]  # a decode worker actor's process
         stream = app["stub"].Generate(long_answer, metadata=app["metadata"], timeout=120)
@@ -145,8 +156,8 @@ def test_killing_a_decode_worker_fails_the_stream_fast_and_serve_recovers(server
 
         # The prefill side let go of everything it held.
         deadline = time.monotonic() + 10
-        while not all_blocks_free(prefill := next(g for g in status(app)["groups"] if g["deployment"] == "PrefillServer")):
-            assert time.monotonic() < deadline, prefill["stats"]
+        while not all(all_blocks_free(g) for g in status(app)["groups"] if g["deployment"] == "PrefillServer"):
+            assert time.monotonic() < deadline, status(app)["groups"]
             time.sleep(0.2)
 
         # Serve replaces the unhealthy decode replica (and its workers); then requests succeed.
@@ -164,4 +175,4 @@ def test_killing_a_decode_worker_fails_the_stream_fast_and_serve_recovers(server
         groups = {g["deployment"]: g for g in status(app)["groups"]}
         new_pids = {r["pid"] for r in groups["LLMServer"]["ranks"]}
         assert victim not in new_pids and len(new_pids) == 2
-        assert all_blocks_free(groups["PrefillServer"]) and all_blocks_free(groups["LLMServer"])
+        assert all(all_blocks_free(g) for g in status(app)["groups"])
