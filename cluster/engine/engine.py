@@ -11,7 +11,6 @@ synchronous and single-threaded; the server (cluster/serve) runs its step loop i
 from __future__ import annotations
 
 import hashlib
-import time
 from pathlib import Path
 
 import torch
@@ -198,8 +197,7 @@ class LLMEngine:
             if request.export_kv:
                 generator = self._generators.get(request.request_id)
                 prefilled = PrefillResult(token.token_id, token.logprobs, request.kv_parts,
-                                          generator.get_state() if generator is not None else None,
-                                          time.monotonic() - request.arrival_time)
+                                          generator.get_state() if generator is not None else None)
             if request.status != RequestStatus.WAITING:  # a prefilled first token may end it unqueued
                 self.scheduler.finish(request, request.finish_reason)
             else:

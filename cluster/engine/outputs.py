@@ -16,7 +16,6 @@ class PrefillResult:
     logprobs: TokenLogprobs | None
     kv_parts: list[KVPart]
     generator_state: object | None  # a seeded request's generator after the first sample
-    prefill_s: float = 0.0  # from arrival in the prefill engine to its first token
 
     @property
     def kv_bytes(self) -> int:

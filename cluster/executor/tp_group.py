@@ -55,7 +55,7 @@ class TPGroup:
     def __init__(self, model_dir: str, tp_size: int, *, block_size: int, num_blocks: int | None, kv_cache_bytes: int,
                  max_model_len: int | None, dtype: torch.dtype, device: str, quantization: str | None,
                  cpus_per_worker: float = 0.5, torch_threads: int | None = None, collective: str = "auto"):
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.config = ModelConfig.from_dir(model_dir)
@@ -75,9 +75,8 @@ class TPGroup:
         self.placement = placement_group([bundle] * tp_size, strategy="PACK")
         ray.get(self.placement.ready(), timeout=120)
         init_method = f"tcp://127.0.0.1:{_free_port()}"  # one host here; rank 0's node on a cluster
-        from ray.util.placement_group import placement_group_table
-
-        shared_memory = collective == "auto" and len(set(placement_group_table(self.placement)["bundles_to_node_id"].values())) == 1
+        one_host = len(set(placement_group_table(self.placement)["bundles_to_node_id"].values())) == 1
+        shared_memory = collective == "auto" and one_host
         worker = ray.remote(TPWorker)
         threads = torch_threads or max(1, (os.cpu_count() or 1) // tp_size)
         self.workers = [

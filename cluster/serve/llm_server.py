@@ -117,10 +117,7 @@ class LLMServer:
         now = time.monotonic()
         if self.prefill_server is not None and request.params.n == 1:  # n > 1: prefilled here
             self._check_admission(request)
-            last = await self.prefill_server.prefill.remote(request)
-            if last.finish_reason == "abort":  # cannot happen unless the prefill side stopped it
-                raise RuntimeError("the prefill server stopped the request")
-            prefilled = last.prefilled
+            prefilled = (await self.prefill_server.prefill.remote(request)).prefilled
         async for delta in self._generate(request, arrival=now, prefilled=prefilled):
             yield delta
 
