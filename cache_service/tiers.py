@@ -1,0 +1,221 @@
+"""Storage tiers below device memory, behind one small interface: put / get / contains / discard,
+a byte cap with LRU eviction, and counters. Pages are opaque bytes here (cache_service/page_codec.py
+makes and checks them); keys are block hashes.
+
+    HostTier   a dict in this process's RAM
+    DiskTier   one file per page in a directory (local NVMe): written to a temporary name, fsynced,
+               renamed, so a crash leaves either the whole page or no page; on start the index is
+               rebuilt from the files' headers (pages of another model identity are left alone) and
+               temporary files are swept; a page that fails its checks is moved to quarantine/; a
+               full or unwritable disk turns the tier off with a warning instead of failing requests.
+
+`build_tiers` orders them fastest first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cache_service import page_codec
+
+logger = logging.getLogger("pagoda.tiers")
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    bad_pages: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+    def as_dict(self) -> dict:
+        lookups = self.hits + self.misses
+        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hits / lookups if lookups else 0.0,
+                "puts": self.puts, "evictions": self.evictions, "bad_pages": dict(self.bad_pages)}
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.stats = TierStats()
+        self._pages: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def put(self, key: bytes, page: bytes) -> bool:
+        if len(page) > self.capacity_bytes:
+            return False
+        self.discard(key)
+        while self.used_bytes + len(page) > self.capacity_bytes:
+            _, old = self._pages.popitem(last=False)
+            self.used_bytes -= len(old)
+            self.stats.evictions += 1
+        self._pages[key] = page
+        self.used_bytes += len(page)
+        self.stats.puts += 1
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        page = self._pages.get(key)
+        if page is None:
+            self.stats.misses += 1
+            return None
+        self._pages.move_to_end(key)
+        self.stats.hits += 1
+        return page
+
+    def contains(self, keys: list[bytes]) -> list[bool]:
+        return [k in self._pages for k in keys]
+
+    def discard(self, key: bytes) -> None:
+        page = self._pages.pop(key, None)
+        if page is not None:
+            self.used_bytes -= len(page)
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+
+class DiskTier:
+    name = "disk"
+    SUFFIX, TMP_SUFFIX = ".page", ".tmp"
+
+    def __init__(self, directory: str | Path, capacity_bytes: int, identity: dict):
+        self.directory = Path(directory)
+        self.capacity_bytes = capacity_bytes
+        self.identity = identity
+        self.used_bytes = 0
+        self.stats = TierStats()
+        self.enabled = True
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recent first
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._rebuild_index()
+        except OSError as e:
+            self._disable(e)
+
+    # ---- the interface --------------------------------------------------------------------
+
+    def put(self, key: bytes, page: bytes) -> bool:
+        if not self.enabled or len(page) > self.capacity_bytes:
+            return False
+        if key in self._index:  # pages are immutable: the same key holds the same KV
+            self._index.move_to_end(key)
+            return True
+        while self.used_bytes + len(page) > self.capacity_bytes:
+            self._evict_oldest()
+        path, tmp = self._path(key), self._path(key).with_suffix(self.TMP_SUFFIX)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(page)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:  # disk full, read-only, gone: no disk tier from now on
+            tmp.unlink(missing_ok=True)
+            self._disable(e)
+            return False
+        self._index[key] = len(page)
+        self.used_bytes += len(page)
+        self.stats.puts += 1
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        """The page's bytes after its checks, or None (a miss). A page that fails them is
+        quarantined and counted under its reason."""
+        if not self.enabled or key not in self._index:
+            self.stats.misses += 1
+            return None
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+            page_codec.decode(data, self.identity, key)
+        except page_codec.PageError as e:
+            self._quarantine(key, e.reason)
+            self.stats.misses += 1
+            return None
+        except OSError:
+            self._forget(key)
+            self.stats.misses += 1
+            return None
+        self._index.move_to_end(key)
+        self.stats.hits += 1
+        return data
+
+    def contains(self, keys: list[bytes]) -> list[bool]:
+        return [self.enabled and k in self._index for k in keys]
+
+    def discard(self, key: bytes) -> None:
+        if key in self._index:
+            self._path(key).unlink(missing_ok=True)
+            self._forget(key)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _path(self, key: bytes) -> Path:
+        return self.directory / f"{key.hex()}{self.SUFFIX}"
+
+    def _rebuild_index(self) -> None:
+        for tmp in self.directory.glob(f"*{self.TMP_SUFFIX}"):  # writes a crash cut short
+            tmp.unlink(missing_ok=True)
+        pages = sorted(self.directory.glob(f"*{self.SUFFIX}"), key=lambda p: p.stat().st_mtime)
+        for path in pages:
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(page_codec.HEADER_SIZE + 4096)
+                key, identity = page_codec.read_header(head)
+            except (OSError, page_codec.PageError):
+                continue  # checked, and quarantined, when first read
+            if identity != self.identity or path.name != f"{key.hex()}{self.SUFFIX}":
+                continue  # another model's page, or a misnamed file: never used, never counted
+            size = path.stat().st_size
+            self._index[key] = size
+            self.used_bytes += size
+        while self.used_bytes > self.capacity_bytes:  # the cap may have shrunk since
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        key, _ = next(iter(self._index.items()))
+        self._path(key).unlink(missing_ok=True)
+        self._forget(key)
+        self.stats.evictions += 1
+
+    def _forget(self, key: bytes) -> None:
+        self.used_bytes -= self._index.pop(key, 0)
+
+    def _quarantine(self, key: bytes, reason: str) -> None:
+        self.stats.bad_pages[reason] = self.stats.bad_pages.get(reason, 0) + 1
+        logger.warning("KV page %s failed its check (%s); quarantined", key.hex(), reason)
+        quarantine = self.directory / "quarantine"
+        try:
+            quarantine.mkdir(exist_ok=True)
+            os.replace(self._path(key), quarantine / self._path(key).name)
+        except OSError:
+            self._path(key).unlink(missing_ok=True)
+        self._forget(key)
+
+    def _disable(self, error: OSError) -> None:
+        if self.enabled:
+            logger.warning("KV disk tier at %s is off: %s", self.directory, error)
+        self.enabled = False
+
+
+def build_tiers(identity: dict, host_bytes: int = 0, disk_bytes: int = 0, directory: str | Path | None = None) -> list:
+    """The lower tiers, fastest first; a tier with a zero cap is left out."""
+    tiers: list = []
+    if host_bytes > 0:
+        tiers.append(HostTier(host_bytes))
+    if disk_bytes > 0:
+        if directory is None:
+            raise ValueError("kv_cache_dir is needed for a disk tier")
+        tiers.append(DiskTier(directory, disk_bytes, identity))
+    return tiers
