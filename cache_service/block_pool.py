@@ -39,7 +39,7 @@ class PrefixCacheStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, record_evictions: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -49,6 +49,10 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self.stats = PrefixCacheStats()
+        # With lower tiers: cached blocks handed out for new contents since the last
+        # take_evicted(); the engine copies them down before the step overwrites them.
+        self.record_evictions = record_evictions
+        self._evicted: list[tuple[int, BlockHash]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,7 +83,9 @@ class BlockPool:
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
-            self._evict(block)
+            evicted = self._evict(block)
+            if evicted is not None and self.record_evictions:
+                self._evicted.append((block_id, evicted))
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
@@ -116,11 +122,20 @@ class BlockPool:
         for block in self.blocks:
             self._evict(block)
 
-    def _evict(self, block: Block) -> None:
-        if block.block_hash is None:
-            return
-        if self._cached.get(block.block_hash) == block.block_id:
-            del self._cached[block.block_hash]
-            self.stats.num_evicted_blocks += 1
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the cached blocks allocated anew since the last call."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def _evict(self, block: Block) -> BlockHash | None:
+        """Drop the block's hash; returns it when the block was the cached copy of that hash."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return None
         block.block_hash = None
         block.token_ids = None
+        if self._cached.get(block_hash) == block.block_id:
+            del self._cached[block_hash]
+            self.stats.num_evicted_blocks += 1
+            return block_hash
+        return None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from cache_service.block_pool import Block, BlockPool
 from cache_service.hashing import BlockHash, hash_full_blocks, root_hash
+from cache_service.offload import KVOffload
 
 
 @dataclass(slots=True)
@@ -31,10 +32,12 @@ class KVCacheManager:
         block_size: int,
         model_identity: str,
         enable_prefix_caching: bool = True,
+        offload: KVOffload | None = None,
     ):
         self.block_size = block_size
         self.model_identity = model_identity
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.offload = offload  # the tiers below device memory, if any
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_evictions=offload is not None)
         self._requests: dict[str, _RequestBlocks] = {}
 
     @property
@@ -83,6 +86,14 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def load_offloaded_prefix(self, request_id: str, num_device_blocks: int) -> list[bytes]:
+        """After `find_cached_prefix` found `num_device_blocks` in device memory: the payloads of
+        the blocks right after them that a lower tier holds (leading run only, checked)."""
+        entry = self._requests.get(request_id)
+        if self.offload is None or entry is None or not self.pool.enable_prefix_caching:
+            return []
+        return self.offload.load_prefix(entry.hashes[num_device_blocks:])
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup once its request is admitted (a request may be looked up again while

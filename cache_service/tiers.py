@@ -1,6 +1,7 @@
-"""Storage tiers below device memory, behind one small interface: put / get / contains / discard,
-a byte cap with LRU eviction, and counters. Pages are opaque bytes here (cache_service/page_codec.py
-makes and checks them); keys are block hashes.
+"""Storage tiers below device memory, behind one small interface: put / get / contains / discard /
+reject, a byte cap with LRU eviction, and counters. Pages are opaque bytes here: page_codec makes
+them and KVOffload checks each one it reads, calling `reject` on a page that fails (counted by
+reason; the disk tier moves the file to quarantine/). Keys are block hashes.
 
     HostTier   a dict in this process's RAM
     DiskTier   one file per page in a directory (local NVMe): written to a temporary name, fsynced,
@@ -78,6 +79,10 @@ class HostTier:
         if page is not None:
             self.used_bytes -= len(page)
 
+    def reject(self, key: bytes, reason: str) -> None:
+        self.stats.bad_pages[reason] = self.stats.bad_pages.get(reason, 0) + 1
+        self.discard(key)
+
     def __len__(self) -> int:
         return len(self._pages)
 
@@ -127,20 +132,12 @@ class DiskTier:
         return True
 
     def get(self, key: bytes) -> bytes | None:
-        """The page's bytes after its checks, or None (a miss). A page that fails them is
-        quarantined and counted under its reason."""
         if not self.enabled or key not in self._index:
             self.stats.misses += 1
             return None
-        path = self._path(key)
         try:
-            data = path.read_bytes()
-            page_codec.decode(data, self.identity, key)
-        except page_codec.PageError as e:
-            self._quarantine(key, e.reason)
-            self.stats.misses += 1
-            return None
-        except OSError:
+            data = self._path(key).read_bytes()
+        except OSError:  # removed behind our back
             self._forget(key)
             self.stats.misses += 1
             return None
@@ -192,7 +189,8 @@ class DiskTier:
     def _forget(self, key: bytes) -> None:
         self.used_bytes -= self._index.pop(key, 0)
 
-    def _quarantine(self, key: bytes, reason: str) -> None:
+    def reject(self, key: bytes, reason: str) -> None:
+        """A page that failed its checks: counted, moved to quarantine/, never read again."""
         self.stats.bad_pages[reason] = self.stats.bad_pages.get(reason, 0) + 1
         logger.warning("KV page %s failed its check (%s); quarantined", key.hex(), reason)
         quarantine = self.directory / "quarantine"

@@ -69,7 +69,7 @@ class KVExporter:
         (the next layer may not overwrite what it reads), hands the copy to the sender."""
         for index, tokens, blocks, offsets in self._step:
             gathered = layer_cache[:, blocks, :, offsets].cpu()  # [tokens, 2, heads, head_dim]
-            data = _to_numpy(gathered)
+            data = to_numpy(gathered)
             part = KVPart(layer, self._heads, tokens, data.nbytes, str(gathered.dtype).removeprefix("torch."), None)
             self._pending.append((index, part, self._sender.submit(self._put, data)))
 
@@ -91,9 +91,7 @@ def install(layer_caches: torch.Tensor, imp: KVImport, heads: tuple[int, int], b
               and p.tokens[0] < imp.stop and imp.start < p.tokens[1]]
     datas = get([p.data for p in wanted])
     for part, data in zip(wanted, datas):
-        with warnings.catch_warnings():  # object-store arrays are read-only; they are only read here
-            warnings.simplefilter("ignore", UserWarning)
-            data = _from_numpy(data, part.dtype)
+        data = from_numpy(data, getattr(torch, part.dtype))
         lo, hi = max(part.tokens[0], imp.start), min(part.tokens[1], imp.stop)
         h_lo, h_hi = max(part.heads[0], heads[0]), min(part.heads[1], heads[1])
         src = data[lo - part.tokens[0]: hi - part.tokens[0], :, h_lo - part.heads[0]: h_hi - part.heads[0]]
@@ -117,10 +115,15 @@ def covered(parts: list[KVPart], num_layers: int, num_kv_heads: int, stop: int) 
     return True
 
 
-def _to_numpy(t: torch.Tensor):
+def to_numpy(t: torch.Tensor):
+    """A CPU tensor as a numpy array; bfloat16 as its int16 bits (numpy has no bfloat16)."""
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def _from_numpy(array, dtype: str) -> torch.Tensor:
-    t = torch.from_numpy(array)
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+def from_numpy(array, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of to_numpy, without a copy. Arrays from the object store or from bytes are
+    read-only; the tensors made here are only read (copied into the cache)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(array)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t

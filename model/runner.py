@@ -13,11 +13,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from model.attention import AttentionContext, build_attention_context
 from model.config import ModelConfig
-from model.kv_transfer import KVExporter, KVImport, KVPart, install, token_slots
+from model.kv_transfer import KVExporter, KVImport, KVPart, from_numpy, install, to_numpy, token_slots
 from model.llama import LlamaForCausalLM
 from model.loader import load_weights
 from model.sampler import SamplingRow, TokenLogprobs, sample
@@ -32,6 +33,7 @@ class SequenceInput:
     sampling: SamplingRow | None  # None: a prefill chunk that is not the prompt's last
     export_kv_from: int | None = None  # export the KV of positions [this, end of the step)
     import_kv: KVImport | None = None  # KV computed elsewhere, written in before the step
+    restore_blocks: list[tuple[int, bytes]] | None = None  # (block id, page payload) from a lower tier
 
 
 @dataclass(slots=True)
@@ -106,6 +108,19 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
+    def read_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
+        """A copy of each block's KV as a page payload: [layers, K/V, kv_heads, block_size, head_dim]
+        (bfloat16 as its int16 bits: numpy has no bfloat16)."""
+        blocks = self.kv_cache[:, :, block_ids].movedim(2, 0).contiguous().cpu()
+        return list(to_numpy(blocks))
+
+    def write_blocks(self, block_ids: tuple[int, ...], payloads: tuple[bytes, ...]) -> None:
+        """The inverse of read_blocks, from payload bytes."""
+        shape = (self.config.num_hidden_layers, 2, self.num_kv_heads, self.block_size, self.config.head_dim)
+        blocks = torch.stack([from_numpy(np.frombuffer(p, _numpy_dtype(self.dtype)).reshape(shape), self.dtype)
+                              for p in payloads])
+        self.kv_cache[:, :, list(block_ids)] = blocks.movedim(0, 2).to(self.device)
+
     @property
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.config, self.num_kv_heads, self.block_size, self.dtype)
@@ -143,6 +158,8 @@ class ModelRunner:
         """One step: install imported KV, run the model (exporting KV layer by layer where asked),
         sample. Returns each sequence's sampled token (None mid-prefill) and exported parts."""
         for s in seqs:
+            if s.restore_blocks:
+                self.write_blocks(*zip(*s.restore_blocks))
             if s.import_kv is not None:
                 blocks, offsets = token_slots(s.block_ids, s.import_kv.start, s.import_kv.stop, self.block_size, self.device)
                 install(self.kv_cache, s.import_kv, self.kv_heads, blocks, offsets, self._kv_get)
@@ -183,3 +200,7 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _numpy_dtype(dtype: torch.dtype):
+    return np.int16 if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype

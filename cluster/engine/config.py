@@ -22,6 +22,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # > 1: a group of Ray actors, one per rank (cluster/executor)
     tp_collective: str = "auto"  # "auto" (NCCL / deepspeed shared memory / gloo) or "gloo"
     seed: int = 0  # for requests that bring no seed of their own
+    # Lower KV tiers (cache_service/tiers.py): evicted blocks are spilled there and brought back
+    # for later prefix hits instead of being recomputed. 0 bytes: no such tier.
+    host_kv_bytes: int = 0
+    disk_kv_bytes: int = 0
+    kv_cache_dir: str | None = None  # the disk tier's directory (local NVMe)
     # Disaggregation: "prefill" or "decode" engines move KV through Ray's object store.
     kv_role: str | None = None
 

@@ -17,6 +17,8 @@ import torch
 from transformers import AutoTokenizer
 
 from cache_service import KVCacheManager
+from cache_service.offload import KVOffload
+from cache_service.tiers import build_tiers
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.errors import InvalidRequestError
@@ -62,7 +64,8 @@ class LLMEngine:
         self.prompts = PromptEncoder(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.model_identity = _model_identity(model_dir, config)
         self.kv_cache = KVCacheManager(
-            self.runner.num_blocks, config.block_size, self.model_identity, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, self.model_identity, config.enable_prefix_caching,
+            offload=self._build_offload(config),
         )
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
         self._requests: dict[str, list[Request]] = {}
@@ -153,18 +156,33 @@ class LLMEngine:
 
     def step(self) -> list[RequestDelta]:
         plan = self.scheduler.schedule()
+        if self.kv_cache.offload is not None:
+            self._spill_evicted()
         if plan.is_empty:
             return []
         return self.update(plan, self.runner.execute(self.build_inputs(plan)))
+
+    def _spill_evicted(self) -> None:
+        """Cached blocks this schedule handed out for new contents: copy them now, before the
+        step overwrites them; the writer thread compresses and stores them."""
+        evicted = self.kv_cache.pool.take_evicted()
+        if evicted:
+            payloads = self.runner.read_blocks([block_id for block_id, _ in evicted])
+            self.kv_cache.offload.spill([(block_hash, payload) for (_, block_hash), payload in zip(evicted, payloads)])
 
     def build_inputs(self, plan: SchedulerPlan) -> list[SequenceInput]:
         inputs = []
         for s in plan.scheduled:
             request, start = s.request, s.request.num_computed_tokens
-            imported = None
+            imported, restored = None, None
             if request.kv_import is not None:  # installed once, before the request's first step
                 imported = KVImport(request.kv_import, request.kv_import_from, request.num_prompt_tokens)
                 request.kv_import = None
+            if request.kv_restore:  # likewise: pages from a lower tier, into the blocks after the hit
+                first = request.kv_import_from // self.config.block_size
+                block_ids = self.kv_cache.block_ids(request.request_id)[first:first + len(request.kv_restore)]
+                restored = list(zip(block_ids, request.kv_restore))
+                request.kv_restore = []
             inputs.append(
                 SequenceInput(
                     new_token_ids=request.token_ids[start : start + s.num_new_tokens],
@@ -174,6 +192,7 @@ class LLMEngine:
                     # from 0 on the first chunk: a prefix-cache hit must travel too
                     export_kv_from=request.num_exported_tokens if request.export_kv else None,
                     import_kv=imported,
+                    restore_blocks=restored,
                 )
             )
         return inputs
@@ -229,6 +248,18 @@ class LLMEngine:
         children = self._requests.get(parent_id, [])
         if all(child.is_finished for child in children):
             self._requests.pop(parent_id, None)
+
+    def _build_offload(self, config: EngineConfig) -> KVOffload | None:
+        if not (config.host_kv_bytes or config.disk_kv_bytes):
+            return None
+        if config.tensor_parallel_size > 1:
+            raise ValueError("host_kv_bytes / disk_kv_bytes: the lower KV tiers run with tensor_parallel_size 1 for now")
+        c = self.model_config
+        identity = {"model": self.model_identity, "layers": c.num_hidden_layers, "kv_heads": self.runner.num_kv_heads,
+                    "head_dim": c.head_dim, "block_size": config.block_size, "dtype": config.dtype,
+                    "tp_rank": 0, "tp_size": config.tensor_parallel_size}
+        tiers = build_tiers(identity, config.host_kv_bytes, config.disk_kv_bytes, config.kv_cache_dir)
+        return KVOffload(tiers, identity)
 
     # ---- introspection -------------------------------------------------------------------
 

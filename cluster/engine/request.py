@@ -57,6 +57,9 @@ class Request:
     # the scheduler sets kv_import_from to the first position not already in the prefix cache.
     kv_import: list[KVPart] | None = None
     kv_import_from: int = 0
+    # Payloads of the blocks after its device prefix hit that a lower tier held (written into
+    # its blocks before its first step, then dropped).
+    kv_restore: list[bytes] = field(default_factory=list)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

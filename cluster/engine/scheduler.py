@@ -83,8 +83,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached, num_cached = self.kv_cache.find_cached_prefix(request.request_id, request.token_ids, request.salt)
-            # KV imported from a prefill engine needs no compute, only blocks.
-            num_ready = max(num_cached, request.num_prompt_tokens if request.kv_import is not None else 0)
+            # KV imported from a prefill engine, or restored from a lower tier, needs no compute,
+            # only blocks (the engine writes it in before the step).
+            restored = [] if request.kv_import is not None else self.kv_cache.load_offloaded_prefix(
+                request.request_id, len(cached))
+            num_ready = max(num_cached + len(restored) * self.kv_cache.block_size,
+                            request.num_prompt_tokens if request.kv_import is not None else 0)
             num_new = min(request.num_tokens - num_ready, budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new, cached, request.salt):
                 break
@@ -93,6 +97,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
             request.kv_import_from = num_cached
+            request.kv_restore = restored
             self.running.append(request)
             plan.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
@@ -118,6 +123,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
         request.kv_import = None  # its blocks are gone: it is recomputed here from the start
+        request.kv_restore = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

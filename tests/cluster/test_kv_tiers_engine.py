@@ -1,0 +1,88 @@
+"""The engine over the lower KV tiers, on the real model: a prompt whose blocks were evicted from
+device memory is restored from host RAM or from disk (also by a new engine on the same directory,
+as after a restart) instead of recomputed, and answers exactly as a cold run; a damaged page on
+disk is detected and recomputed with the same answer."""
+
+import pytest
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine import LLMEngine
+from cluster.engine.sampling_params import SamplingParams
+from tests.parity_prompts import DOC, DOC_B
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+def answer(engine: LLMEngine, request_id: str, prompt: list[int]) -> list[int]:
+    engine.add_request(request_id, prompt, GREEDY)
+    tokens = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens += delta.new_token_ids
+    return tokens
+
+
+def small_engine(model_dir, tmp_path, host=True, disk=True) -> LLMEngine:
+    # 48 blocks of 16 tokens: one 600-token prompt fits, a second one evicts the first's blocks
+    return LLMEngine(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
+                                  host_kv_bytes=(64 << 20) if host else 0, disk_kv_bytes=(256 << 20) if disk else 0,
+                                  kv_cache_dir=str(tmp_path / "kv")))
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    doc = tokenizer(DOC[:2400] + "\nSummarize the text above:").input_ids[-600:]
+    others = [tokenizer(DOC_B[:2400]).input_ids[:600], tokenizer(DOC_B[3000:5400]).input_ids[:600]]
+    return doc, others
+
+
+@pytest.fixture(scope="module")
+def cold(model_dir, prompts):
+    engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=64, enable_prefix_caching=False))
+    return answer(engine, "cold", prompts[0])
+
+
+def evict(engine, prompts):
+    """Two other prompts need every block the doc's request held: its blocks are spilled, reused."""
+    for i, other in enumerate(prompts[1]):
+        answer(engine, f"other{i}", other)
+    engine.kv_cache.offload.flush()
+    assert engine.kv_cache.find_cached_prefix("probe", prompts[0]) == ([], 0)  # gone from device memory
+    engine.kv_cache.free("probe")
+
+
+def test_evicted_prefix_comes_back_from_host_ram(model_dir, tmp_path, prompts, cold):
+    engine = small_engine(model_dir, tmp_path, disk=False)
+    assert answer(engine, "first", prompts[0]) == cold
+    evict(engine, prompts)
+    assert answer(engine, "again", prompts[0]) == cold
+    stats = engine.kv_cache.offload.describe()
+    assert stats["restored_from"]["host"] == len(prompts[0]) // 16 and stats["spilled_blocks"] > 0
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_evicted_prefix_comes_back_from_disk_after_a_restart(model_dir, tmp_path, prompts, cold):
+    engine = small_engine(model_dir, tmp_path)
+    answer(engine, "first", prompts[0])
+    evict(engine, prompts)
+    del engine
+    restarted = small_engine(model_dir, tmp_path, host=False)  # nothing in memory: only the files
+    assert answer(restarted, "again", prompts[0]) == cold
+    assert restarted.kv_cache.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
+
+
+def test_a_damaged_page_on_disk_is_recomputed_with_the_same_answer(model_dir, tmp_path, prompts, cold):
+    engine = small_engine(model_dir, tmp_path)
+    answer(engine, "first", prompts[0])
+    evict(engine, prompts)
+    del engine
+    pages = sorted((tmp_path / "kv").glob("*.page"), key=lambda p: p.stat().st_mtime)
+    victim = pages[len(pages) // 4]  # a page inside the doc's prefix
+    data = bytearray(victim.read_bytes())
+    data[-50] ^= 0x10
+    victim.write_bytes(bytes(data))
+    restarted = small_engine(model_dir, tmp_path, host=False)
+    assert answer(restarted, "again", prompts[0]) == cold
+    disk = restarted.kv_cache.offload.describe()["tiers"]["disk"]
+    assert disk["bad_pages"] == {"checksum": 1}
+    assert (tmp_path / "kv" / "quarantine" / victim.name).exists()
