@@ -52,7 +52,13 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--disaggregated", is_flag=True, help="Prefill and decode on separate deployments (KV moves between them).")
 @click.option("--prefill-tp", type=click.IntRange(min=1), default=None, help="With --disaggregated: TP size of the prefill side.")
 @click.option("--decode-tp", type=click.IntRange(min=1), default=None, help="With --disaggregated: TP size of the decode side.")
-def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp) -> None:
+@click.option("--device-kv-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV pages in device memory.")
+@click.option("--host-kv-gb", type=click.FloatRange(min=0), default=None, help="Host-RAM tier below it (evicted pages).")
+@click.option("--disk-kv-gb", type=click.FloatRange(min=0), default=None, help="Disk (NVMe) tier below that; survives restarts.")
+@click.option("--kv-cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory of the disk tier (default: $PAGODA_HOME/kv-cache).")
+def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp,
+          device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground; Ctrl-C stops it."""
     import signal
 
@@ -72,6 +78,14 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
             engine["tensor_parallel_size"] = decode_tp
         if prefill_tp:
             args.setdefault("prefill_engine", {})["tensor_parallel_size"] = prefill_tp
+    gib = 1 << 30
+    for key, value in (("kv_cache_bytes", device_kv_gb), ("host_kv_bytes", host_kv_gb), ("disk_kv_bytes", disk_kv_gb)):
+        if value is not None:
+            engine[key] = int(value * gib)
+    if kv_cache_dir or engine.get("disk_kv_bytes"):
+        from cluster.model_fetch import pagoda_home
+
+        engine.setdefault("kv_cache_dir", kv_cache_dir or str(pagoda_home() / "kv-cache"))
     from cluster.serve.app import check_app_args
 
     try:

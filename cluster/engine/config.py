@@ -34,6 +34,13 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("host_kv_bytes", "disk_kv_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if (self.host_kv_bytes or self.disk_kv_bytes) and self.tensor_parallel_size > 1:
+            raise ValueError("host_kv_bytes / disk_kv_bytes: the lower KV tiers need tensor_parallel_size 1 for now")
+        if self.disk_kv_bytes and not self.kv_cache_dir:
+            raise ValueError("disk_kv_bytes needs kv_cache_dir (the disk tier's directory)")
         if self.tp_collective not in ("auto", "gloo"):
             raise ValueError(f"tp_collective must be 'auto' or 'gloo', got {self.tp_collective!r}")
         if self.kv_role not in (None, "prefill", "decode"):

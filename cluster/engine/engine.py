@@ -252,8 +252,6 @@ class LLMEngine:
     def _build_offload(self, config: EngineConfig) -> KVOffload | None:
         if not (config.host_kv_bytes or config.disk_kv_bytes):
             return None
-        if config.tensor_parallel_size > 1:
-            raise ValueError("host_kv_bytes / disk_kv_bytes: the lower KV tiers run with tensor_parallel_size 1 for now")
         c = self.model_config
         identity = {"model": self.model_identity, "layers": c.num_hidden_layers, "kv_heads": self.runner.num_kv_heads,
                     "head_dim": c.head_dim, "block_size": config.block_size, "dtype": config.dtype,

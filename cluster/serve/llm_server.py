@@ -188,6 +188,7 @@ class LLMServer:
             "prefix_cache_hit_rate": pool.stats.hit_rate,
             "prefix_cache_queried_tokens": pool.stats.num_queried_tokens,
             "num_preemptions": engine.scheduler.num_preemptions,
+            **({"kv_tiers": engine.kv_cache.offload.describe()} if engine.kv_cache.offload else {}),
         }
 
     def describe(self) -> dict:
