@@ -1,7 +1,9 @@
 """KV-cache bookkeeping in plain Python: block pool, chained block hashes, per-request block tables.
 
-Nothing here imports torch or Ray, so it runs and tests anywhere; the device tensors that hold the
-pages live in `model/`, and the engine in `cluster/` drives this bookkeeping.
+Nothing here imports torch, and only service.py (the shared CacheService actors) imports Ray, so
+it runs and tests anywhere; the device tensors that hold the pages live in `model/`, and the engine
+in `cluster/` drives this bookkeeping. Below device memory: page_codec (the page format), tiers
+(host RAM, disk), offload (spill and restore), service (the tiers shared by every replica).
 """
 
 from cache_service.block_pool import Block, BlockPool

@@ -9,6 +9,7 @@ and free(id) when a request ends or is preempted.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cache_service.block_pool import Block, BlockPool
@@ -23,6 +24,7 @@ class _RequestBlocks:
     # Hashes of this request's full blocks, in order, as far as they have been computed.
     hashes: list[BlockHash] = field(default_factory=list)
     num_cached_blocks: int = 0
+    prefetch: tuple[int, Future] | None = None  # (first block, loading) while the request waits
 
 
 class KVCacheManager:
@@ -87,12 +89,28 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def prefetch(self, request_id: str, token_ids: list[int], salt: str | None = None) -> None:
+        """A request arrived: start loading, from the lower tiers, the prefix blocks after those in
+        device memory now, while it waits in the queue."""
+        if self.offload is None or not self.pool.enable_prefix_caching:
+            return
+        cached, _ = self.find_cached_prefix(request_id, token_ids, salt)
+        entry = self._requests[request_id]
+        entry.prefetch = (len(cached), self.offload.prefetch(entry.hashes[len(cached):]))
+
     def load_offloaded_prefix(self, request_id: str, num_device_blocks: int) -> list[bytes]:
         """After `find_cached_prefix` found `num_device_blocks` in device memory: the payloads of
-        the blocks right after them that a lower tier holds (leading run only, checked)."""
+        the blocks right after them that a lower tier holds (leading run only, checked), from
+        the request's prefetch when it started at the same block."""
         entry = self._requests.get(request_id)
         if self.offload is None or entry is None or not self.pool.enable_prefix_caching:
             return []
+        prefetch, entry.prefetch = entry.prefetch, None
+        if prefetch is not None:
+            start, future = prefetch
+            if start == num_device_blocks:
+                return self.offload.take_prefetched(future)
+            self.offload.stats.prefetch_stale += 1
         return self.offload.load_prefix(entry.hashes[num_device_blocks:])
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:

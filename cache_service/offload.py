@@ -1,8 +1,8 @@
 """KVOffload: the engine's link to the tiers below device memory.
 
     device block evicted ──spill──> [writer thread: encode page (shuffle+LZ4, checksum)] ──> every tier
-    request admitted ──load_prefix(hashes)──> pages from the fastest tier that has them, checked,
-                                              decoded ──> payloads written into new device blocks
+    request arrives ──prefetch(hashes)──> [prefetch thread: load_prefix] ──> payloads in host memory
+    request admitted ──take_prefetched (or load_prefix)──> payloads written into new device blocks
 
 Spills are written through to every tier (host for speed, disk to survive a restart), each tier
 keeping its own cap by LRU. A page that fails its checks ends the restored prefix there: the rest
@@ -26,10 +26,17 @@ class OffloadStats:
     restored_blocks: int = 0
     restored_from: dict[str, int] | None = None  # tier name -> blocks
     failed_spills: int = 0
+    prefetch_on_time: int = 0  # loaded before the request was scheduled
+    prefetch_late: int = 0  # the scheduler had to wait for it
+    prefetch_stale: int = 0  # the device cache changed meanwhile: loaded again at schedule time
 
     def as_dict(self) -> dict:
+        prefetches = self.prefetch_on_time + self.prefetch_late
         return {"spilled_blocks": self.spilled_blocks, "restored_blocks": self.restored_blocks,
-                "restored_from": dict(self.restored_from or {}), "failed_spills": self.failed_spills}
+                "restored_from": dict(self.restored_from or {}), "failed_spills": self.failed_spills,
+                "prefetch_on_time": self.prefetch_on_time, "prefetch_late": self.prefetch_late,
+                "prefetch_stale": self.prefetch_stale,
+                "prefetch_on_time_rate": self.prefetch_on_time / prefetches if prefetches else 0.0}
 
 
 class KVOffload:
@@ -43,6 +50,9 @@ class KVOffload:
         self._lock = threading.Lock()  # the tiers are plain objects: one caller at a time
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-spill")
         self._pending: list[Future] = []
+        # Predictive prefetch: pages of a queued request's prefix are read and checked here while
+        # it waits, so that scheduling it only copies them into device memory.
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
 
     def spill(self, blocks: list[tuple[bytes, np.ndarray]]) -> None:
         """Queue evicted blocks (hash, payload copy) for the writer thread; returns at once."""
@@ -51,16 +61,35 @@ class KVOffload:
             self._pending.append(self._writer.submit(self._write, blocks))
 
     def load_prefix(self, keys: list[bytes]) -> list[bytes]:
-        """Payloads of the leading `keys` found in a tier, up to the first one missing or bad."""
-        payloads = []
+        """Payloads of the leading `keys` found in a tier, up to the first one missing or bad.
+        One `contains` and one `get_many` per tier, whatever the number of keys."""
         with self._lock:
-            for key in keys:
-                payload = self._load_one(key)
+            holders = self._first_holders(keys)
+            pages: dict[int, bytes | None] = {}
+            for t, tier in enumerate(self.tiers):
+                mine = [i for i, h in enumerate(holders) if h == t]
+                if mine:
+                    pages.update(zip(mine, tier.get_many([keys[i] for i in mine])))
+            payloads = []
+            for i, t in enumerate(holders):
+                payload = self._check(keys[i], pages.get(i), t)
                 if payload is None:
                     break
                 payloads.append(payload)
         self.stats.restored_blocks += len(payloads)
         return payloads
+
+    def prefetch(self, keys: list[bytes]) -> Future:
+        """Start loading the leading `keys` (load_prefix in the background); see take_prefetched."""
+        return self._prefetcher.submit(self.load_prefix, keys)
+
+    def take_prefetched(self, future: Future) -> list[bytes]:
+        """A prefetch's payloads, counted on time when it had finished, late when we wait here."""
+        if future.done():
+            self.stats.prefetch_on_time += 1
+        else:
+            self.stats.prefetch_late += 1
+        return future.result()
 
     def flush(self) -> None:
         """Wait for queued spills (tests, shutdown)."""
@@ -70,30 +99,38 @@ class KVOffload:
 
     def describe(self) -> dict:
         with self._lock:
-            tiers = {t.name: {"used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes, "pages": len(t),
-                              **t.stats.as_dict()} for t in self.tiers}
+            tiers = {t.name: t.describe() for t in self.tiers}
         return {"tiers": tiers, **self.stats.as_dict()}
 
     def _write(self, blocks: list[tuple[bytes, np.ndarray]]) -> None:
-        for key, payload in blocks:
-            page = page_codec.encode(key, self.identity, payload, self.codec)
-            with self._lock:
-                stored = [tier.put(key, page) for tier in self.tiers]
-            self.stats.spilled_blocks += 1
-            self.stats.failed_spills += not any(stored)
+        pages = [(key, page_codec.encode(key, self.identity, payload, self.codec)) for key, payload in blocks]
+        with self._lock:
+            stored = [tier.put_many(pages) for tier in self.tiers]
+        self.stats.spilled_blocks += len(pages)
+        self.stats.failed_spills += len(pages) - max(stored)
 
-    def _load_one(self, key: bytes) -> bytes | None:
-        for i, tier in enumerate(self.tiers):
-            page = tier.get(key)
-            if page is None:
-                continue
-            try:
-                payload = page_codec.decode(page, self.identity, key)
-            except page_codec.PageError as e:
-                tier.reject(key, e.reason)
-                continue
-            for faster in self.tiers[:i]:  # promote: the next hit is faster
-                faster.put(key, page)
-            self.stats.restored_from[tier.name] += 1
-            return payload
-        return None
+    def _first_holders(self, keys: list[bytes]) -> list[int]:
+        """For the leading keys that some tier holds: the index of the fastest such tier."""
+        held = [tier.contains(keys) for tier in self.tiers]
+        holders = []
+        for i in range(len(keys)):
+            tier = next((t for t in range(len(self.tiers)) if held[t][i]), None)
+            if tier is None:
+                break
+            holders.append(tier)
+        return holders
+
+    def _check(self, key: bytes, page: bytes | None, t: int) -> bytes | None:
+        """The page's payload, or None when it is gone or fails its checks (rejected there)."""
+        if page is None:
+            return None
+        tier = self.tiers[t]
+        try:
+            payload = page_codec.decode(page, self.identity, key)
+        except page_codec.PageError as e:
+            tier.reject(key, e.reason)
+            return None
+        for faster in self.tiers[:t]:  # promote: the next hit is faster
+            faster.put(key, page)
+        self.stats.restored_from[tier.name] += 1
+        return payload

@@ -26,6 +26,20 @@ from cache_service import page_codec
 logger = logging.getLogger("pagoda.tiers")
 
 
+class BatchedTier:
+    """get_many / put_many for a local tier: plain loops (the shared tier batches them per call)."""
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return [self.get(key) for key in keys]
+
+    def put_many(self, pages: list[tuple[bytes, bytes]]) -> int:
+        return sum(self.put(key, page) for key, page in pages)
+
+    def describe(self) -> dict:
+        return {"used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes, "pages": len(self),
+                **self.stats.as_dict()}
+
+
 @dataclass
 class TierStats:
     hits: int = 0
@@ -40,7 +54,7 @@ class TierStats:
                 "puts": self.puts, "evictions": self.evictions, "bad_pages": dict(self.bad_pages)}
 
 
-class HostTier:
+class HostTier(BatchedTier):
     name = "host"
 
     def __init__(self, capacity_bytes: int):
@@ -87,7 +101,7 @@ class HostTier:
         return len(self._pages)
 
 
-class DiskTier:
+class DiskTier(BatchedTier):
     name = "disk"
     SUFFIX, TMP_SUFFIX = ".page", ".tmp"
 

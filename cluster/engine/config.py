@@ -27,6 +27,9 @@ class EngineConfig:
     host_kv_bytes: int = 0
     disk_kv_bytes: int = 0
     kv_cache_dir: str | None = None  # the disk tier's directory (local NVMe)
+    # > 0: those tiers live in N shared CacheService actors (cache_service/service.py) that every
+    # replica of the model uses, instead of in this process.
+    kv_cache_service_shards: int = 0
     # Disaggregation: "prefill" or "decode" engines move KV through Ray's object store.
     kv_role: str | None = None
 

@@ -162,13 +162,26 @@ class LLMEngine:
             return []
         return self.update(plan, self.runner.execute(self.build_inputs(plan)))
 
-    def _spill_evicted(self) -> None:
+    def spill_prefix_cache(self) -> int:
+        """Move every cached block that no request holds down to the lower tiers, freeing device
+        memory (a drain before a planned restart; benchmarks). Returns how many went down."""
+        if self.kv_cache.offload is None:
+            return 0
+        pool = self.kv_cache.pool
+        held = pool.allocate(pool.num_free_blocks)  # evicts (and records) every cached free block
+        pool.free(held)
+        count = self._spill_evicted()
+        self.kv_cache.offload.flush()
+        return count
+
+    def _spill_evicted(self) -> int:
         """Cached blocks this schedule handed out for new contents: copy them now, before the
         step overwrites them; the writer thread compresses and stores them."""
         evicted = self.kv_cache.pool.take_evicted()
         if evicted:
             payloads = self.runner.read_blocks([block_id for block_id, _ in evicted])
             self.kv_cache.offload.spill([(block_hash, payload) for (_, block_hash), payload in zip(evicted, payloads)])
+        return len(evicted)
 
     def build_inputs(self, plan: SchedulerPlan) -> list[SequenceInput]:
         inputs = []
@@ -256,7 +269,13 @@ class LLMEngine:
         identity = {"model": self.model_identity, "layers": c.num_hidden_layers, "kv_heads": self.runner.num_kv_heads,
                     "head_dim": c.head_dim, "block_size": config.block_size, "dtype": config.dtype,
                     "tp_rank": 0, "tp_size": config.tensor_parallel_size}
-        tiers = build_tiers(identity, config.host_kv_bytes, config.disk_kv_bytes, config.kv_cache_dir)
+        if config.kv_cache_service_shards:
+            from cache_service.service import shared_tier
+
+            tiers = [shared_tier(identity, config.kv_cache_service_shards, config.host_kv_bytes,
+                                 config.disk_kv_bytes, config.kv_cache_dir)]
+        else:
+            tiers = build_tiers(identity, config.host_kv_bytes, config.disk_kv_bytes, config.kv_cache_dir)
         return KVOffload(tiers, identity)
 
     # ---- introspection -------------------------------------------------------------------

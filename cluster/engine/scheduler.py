@@ -59,6 +59,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        if request.kv_import is None:
+            self.kv_cache.prefetch(request.request_id, request.token_ids, request.salt)
 
     def schedule(self) -> SchedulerPlan:
         plan = SchedulerPlan()

@@ -188,7 +188,6 @@ class LLMServer:
             "prefix_cache_hit_rate": pool.stats.hit_rate,
             "prefix_cache_queried_tokens": pool.stats.num_queried_tokens,
             "num_preemptions": engine.scheduler.num_preemptions,
-            **({"kv_tiers": engine.kv_cache.offload.describe()} if engine.kv_cache.offload else {}),
         }
 
     def describe(self) -> dict:
@@ -202,7 +201,9 @@ class LLMServer:
                       "kv_heads": runner.num_kv_heads, "num_blocks": runner.num_blocks}]
         return {"role": self.engine.config.kv_role or "colocated",
                 "tensor_parallel_size": self.engine.config.tensor_parallel_size,
-                "replica_pid": os.getpid(), "ranks": ranks, "stats": self.stats()}
+                "replica_pid": os.getpid(), "ranks": ranks, "stats": self.stats(),
+                # the tiers below device memory (may ask the shared cache service: not per step)
+                "kv_tiers": self.engine.kv_cache.offload.describe() if self.engine.kv_cache.offload else None}
 
     def check_health(self) -> None:
         """Serve calls this periodically; a dead engine thread or a lost worker makes the replica

@@ -53,6 +53,17 @@ def deployed(server, name: str, route: str, **args):
     finally:
         channel.close()
         serve.delete(name)
+        _kill_prefix_trees(name)
+
+
+def _kill_prefix_trees(app_name: str) -> None:
+    """Serve's PrefixCacheAffinityRouter keeps a detached prefix-tree actor per deployment that
+    only serve.shutdown() removes; an app deleted mid-session would leave them behind."""
+    import ray
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"] == "LlmPrefixTreeActor" and entry["namespace"].startswith(f"serve::{app_name}::"):
+            ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]))
 
 
 def wait_healthy(base: str, timeout_s: float) -> None:

@@ -58,6 +58,8 @@ def test_evicted_prefix_comes_back_from_host_ram(model_dir, tmp_path, prompts, c
     assert answer(engine, "again", prompts[0]) == cold
     stats = engine.kv_cache.offload.describe()
     assert stats["restored_from"]["host"] == len(prompts[0]) // 16 and stats["spilled_blocks"] > 0
+    # the restore came from the prefetch started when the request arrived (waited for or not)
+    assert stats["prefetch_on_time"] + stats["prefetch_late"] == 4 and stats["prefetch_stale"] == 0  # 4 requests
     assert engine.num_free_blocks == engine.num_blocks
 
 
@@ -86,3 +88,24 @@ def test_a_damaged_page_on_disk_is_recomputed_with_the_same_answer(model_dir, tm
     disk = restarted.kv_cache.offload.describe()["tiers"]["disk"]
     assert disk["bad_pages"] == {"checksum": 1}
     assert (tmp_path / "kv" / "quarantine" / victim.name).exists()
+
+
+def test_two_engines_share_the_cache_service(server, model_dir, prompts, cold):
+    """Two engines (as two replicas would) over the same CacheService shards: a prefix computed
+    and evicted on one is restored on the other, with the cold run's answer."""
+    import ray
+
+    config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
+                  kv_cache_service_shards=2)
+    first, second = LLMEngine(EngineConfig(**config)), LLMEngine(EngineConfig(**config))
+    shared = first.kv_cache.offload.tiers[0]
+    try:
+        assert answer(first, "first", prompts[0]) == cold
+        assert first.spill_prefix_cache() >= len(prompts[0]) // 16
+        assert answer(second, "second", prompts[0]) == cold
+        assert second.kv_cache.offload.describe()["restored_from"]["service"] == len(prompts[0]) // 16
+        pages = [shard["host"]["pages"] for shard in shared.describe_shards()]
+        assert all(pages) and sum(pages) >= len(prompts[0]) // 16  # spread over both shards
+    finally:
+        for shard in shared.shards:
+            ray.kill(shard)
