@@ -142,10 +142,10 @@ def hf_decode_rates(model_dir: str, batches: tuple[int, ...]) -> dict:
         for batch in batches:
             ids = torch.arange(100, 228, device=DEVICE).repeat(batch, 1) + torch.arange(batch, device=DEVICE)[:, None]
 
-            def run(new_tokens: int) -> float:
+            def run(new_tokens: int, model=hf, ids=ids) -> float:
                 _sync()
                 t = time.perf_counter()
-                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                             do_sample=False)
                 _sync()
                 return time.perf_counter() - t

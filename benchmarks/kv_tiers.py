@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from cache_service import page_codec
-from cluster.bench.report import machine
+from cluster.bench.report import markdown_rows, save_rows
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
@@ -83,13 +83,14 @@ def main() -> None:
             shutil.rmtree(directory, ignore_errors=True)
         rows.append(row)
         print(json.dumps(row))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "rows": rows}, indent=2))
-    print("| tokens | recompute (s) | host hit (s) | disk hit (s) | disk hit after restart (s) | speed-up after restart |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['tokens']} | {r['recompute_s']:.2f} | {r['host_hit_s']:.3f} | {r['disk_hit_s']:.3f} | "
-              f"{r['disk_after_restart_s']:.3f} | {r['recompute_s'] / r['disk_after_restart_s']:.1f}× |")
+    save_rows(args.out, rows)
+    print(markdown_rows(
+        ["tokens", "recompute (s)", "host hit (s)", "disk hit (s)", "disk hit after restart (s)", "speed-up after restart",
+         "disk bytes/token (raw)", "LZ4 ratio (shuffled)"],
+        [[str(r["tokens"]), f"{r['recompute_s']:.2f}", f"{r['host_hit_s']:.3f}", f"{r['disk_hit_s']:.3f}",
+          f"{r['disk_after_restart_s']:.3f}", f"{r['recompute_s'] / r['disk_after_restart_s']:.1f}×",
+          f"{r['disk_bytes_per_token']:.0f} ({r['raw_bytes_per_token']:.0f})",
+          f"{r['lz4_ratio']:.3f} ({r['shuffle_lz4_ratio']:.3f})"] for r in rows]))
 
 
 if __name__ == "__main__":

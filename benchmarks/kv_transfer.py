@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ray
 
-from cluster.bench.report import machine
+from cluster.bench.report import markdown_rows, save_rows
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
@@ -96,13 +96,11 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row))
     ray.shutdown()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
-    print("| prompt tokens | KV bytes | prefill (ms) | with export (ms) | export cost (ms) | install cost (ms) | install GB/s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['prompt_tokens']} | {r['kv_bytes'] / 2**20:.1f} MiB | {r['prefill_ms']:.0f} | {r['prefill_export_ms']:.0f} | "
-              f"{r['export_cost_ms']:.1f} | {r['install_cost_ms']:.1f} | {r['kv_bytes'] / max(r['install_cost_ms'], 1e-3) / 1e6:.2f} |")
+    save_rows(args.out, rows)
+    print(markdown_rows(
+        ["prompt tokens", "KV bytes", "prefill (ms)", "with export (ms)", "export cost (ms)", "install cost (ms)"],
+        [[str(r["prompt_tokens"]), f"{r['kv_bytes'] / 2**20:.1f} MiB", f"{r['prefill_ms']:.0f}",
+          f"{r['prefill_export_ms']:.0f}", f"{r['export_cost_ms']:.1f}", f"{r['install_cost_ms']:.1f}"] for r in rows]))
 
 
 if __name__ == "__main__":

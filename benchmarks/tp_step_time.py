@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import ray
 
 from cluster import LLM, SamplingParams
-from cluster.bench.report import machine
+from cluster.bench.report import markdown_rows, save_rows
 from cluster.model_fetch import fetch_default_model
 
 CONFIGS = [("TP=1", 1, "auto"), ("TP=2 gloo", 2, "gloo"), ("TP=2 deepspeed-shm", 2, "auto")]
@@ -73,11 +72,10 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row))
     ray.shutdown()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "cpus": os.cpu_count(), "rows": rows}, indent=2))
-    print(f"| config | decode batch 1 (ms) | decode batch 32 (ms) | prefill 512 tokens (ms) |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['config']} | {r['decode_b1_ms']:.1f} | {r['decode_b32_ms']:.1f} | {r['prefill_512_ms']:.1f} |")
+    save_rows(args.out, rows)
+    print(markdown_rows(["config", "decode batch 1 (ms)", "decode batch 32 (ms)", "prefill 512 tokens (ms)"],
+                        [[r["config"], f"{r['decode_b1_ms']:.1f}", f"{r['decode_b32_ms']:.1f}", f"{r['prefill_512_ms']:.1f}"]
+                         for r in rows]))
 
 
 if __name__ == "__main__":

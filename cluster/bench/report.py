@@ -24,6 +24,17 @@ def machine() -> dict:
     return {"cpu": cpu, "nproc": os.cpu_count(), "python": platform.python_version()}
 
 
+def save_rows(path: str | Path, rows: list[dict], **meta) -> None:
+    """A benchmark script's rows as JSON, with the date and the machine."""
+    save({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), **meta, "rows": rows}, path)
+
+
+def markdown_rows(headers: list[str], lines: list[list[str]]) -> str:
+    """A Markdown table: the first column left-aligned, the others right-aligned (numbers)."""
+    out = ["| " + " | ".join(headers) + " |", "|---|" + "---:|" * (len(headers) - 1)]
+    return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
+
+
 def result_file(label: str, target: str, options: dict, runs: list[dict]) -> dict:
     return {"label": label, "target": target, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
             "options": options, "runs": runs}
