@@ -1,6 +1,8 @@
 """The engine over a TP=2 group of Ray actors (gloo) gives the single-process engine's tokens.
 Uses the session's Ray cluster (the `server` fixture starts it with its metrics port)."""
 
+from pathlib import Path
+
 import pytest
 
 from cluster import LLM, SamplingParams
@@ -31,3 +33,5 @@ def test_tp2_ranks_hold_their_kv_heads(tp2):
     assert len({r["pid"] for r in ranks}) == 2 and all(r["num_blocks"] == 64 for r in ranks)
     # one host: deepspeed's shared-memory all-reduce, not gloo over TCP
     assert [r["collective"] for r in ranks] == ["deepspeed-shm"] * 2
+    # its shared-memory segments are unlinked once mapped: nothing stays in /dev/shm after the group
+    assert not list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_127.0.0.1_*"))
