@@ -19,6 +19,9 @@ class EngineConfig:
     # "int8": int8 weights with fbgemm's dynamic-int8 GEMM (CPU). Faster decode, not bit-equal to HF.
     quantization: str | None = None
     device: str = "cpu"
+    # When blocks run out: "recompute" a preempted request later (mostly from the prefix cache),
+    # or "swap" its KV to host memory and back.
+    preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1  # > 1: a group of Ray actors, one per rank (cluster/executor)
     tp_collective: str = "auto"  # "auto" (NCCL / deepspeed shared memory / gloo) or "gloo"
     seed: int = 0  # for requests that bring no seed of their own
@@ -40,10 +43,14 @@ class EngineConfig:
         for name in ("host_kv_bytes", "disk_kv_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.preemption_mode == "swap" and self.tensor_parallel_size > 1:
+            raise ValueError("preemption_mode 'swap' needs tensor_parallel_size 1 for now")
         if (self.host_kv_bytes or self.disk_kv_bytes) and self.tensor_parallel_size > 1:
             raise ValueError("host_kv_bytes / disk_kv_bytes: the lower KV tiers need tensor_parallel_size 1 for now")
         if self.disk_kv_bytes and not self.kv_cache_dir:
             raise ValueError("disk_kv_bytes needs kv_cache_dir (the disk tier's directory)")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.tp_collective not in ("auto", "gloo"):
             raise ValueError(f"tp_collective must be 'auto' or 'gloo', got {self.tp_collective!r}")
         if self.kv_role not in (None, "prefill", "decode"):

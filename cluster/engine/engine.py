@@ -67,7 +67,8 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, self.model_identity, config.enable_prefix_caching,
             offload=self._build_offload(config),
         )
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.preemption_mode)
         self._requests: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(config.seed)
@@ -156,6 +157,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestDelta]:
         plan = self.scheduler.schedule()
+        # Before the step overwrites blocks just handed out again: copy what must survive.
+        for request in plan.preempted:
+            if request.swap_out is not None:
+                block_ids, num_computed = request.swap_out
+                request.swapped, request.swap_out = (num_computed, self.runner.read_blocks(block_ids)), None
         if self.kv_cache.offload is not None:
             self._spill_evicted()
         if plan.is_empty:

@@ -60,6 +60,10 @@ class Request:
     # Payloads of the blocks after its device prefix hit that a lower tier held (written into
     # its blocks before its first step, then dropped).
     kv_restore: list[bytes] = field(default_factory=list)
+    # Swap preemption: the blocks to copy out before the step (block ids, computed tokens), then
+    # the copy (computed tokens, a payload per block) until the request is admitted again.
+    swap_out: tuple[list[int], int] | None = None
+    swapped: tuple[int, list] | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -6,8 +6,9 @@ sequence cap (max_num_seqs), running requests first, oldest first, then waiting 
 order. A long prompt therefore prefills in chunks alongside other requests' decodes.
 
 When blocks run out for a running request, the newest running request is preempted (its blocks
-freed, to be recomputed later, mostly from the prefix cache) until the older one fits. No new
-request is admitted in a step that preempted.
+freed) until the older one fits. With preemption_mode "recompute" it starts again later, mostly
+from the prefix cache; with "swap" the engine copies its KV to host memory before the step and it
+comes back from there. No new request is admitted in a step that preempted.
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ class SchedulerPlan:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 preemption_mode: str = "recompute"):
         self.kv_cache = kv_cache
+        self.swap = preemption_mode == "swap"
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swapped_in = 0  # preempted requests that came back from host memory
 
     @property
     def num_unfinished(self) -> int:
@@ -85,12 +89,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached, num_cached = self.kv_cache.find_cached_prefix(request.request_id, request.token_ids, request.salt)
-            # KV imported from a prefill engine, or restored from a lower tier, needs no compute,
-            # only blocks (the engine writes it in before the step).
-            restored = [] if request.kv_import is not None else self.kv_cache.load_offloaded_prefix(
-                request.request_id, len(cached))
-            num_ready = max(num_cached + len(restored) * self.kv_cache.block_size,
-                            request.num_prompt_tokens if request.kv_import is not None else 0)
+            # KV imported from a prefill engine, swapped out at preemption, or restored from a
+            # lower tier needs no compute, only blocks (the engine writes it in before the step).
+            if request.kv_import is not None:
+                restored, num_ready = [], max(num_cached, request.num_prompt_tokens)
+            elif request.swapped is not None:
+                num_swapped, payloads = request.swapped
+                restored, num_ready = payloads[len(cached):], max(num_cached, num_swapped)
+            else:
+                restored = self.kv_cache.load_offloaded_prefix(request.request_id, len(cached))
+                num_ready = num_cached + len(restored) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_ready, budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new, cached, request.salt):
                 break
@@ -100,6 +108,9 @@ class Scheduler:
             request.num_computed_tokens = num_ready
             request.kv_import_from = num_cached
             request.kv_restore = restored
+            if request.swapped is not None:
+                request.swapped = None
+                self.num_swapped_in += 1
             self.running.append(request)
             plan.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
@@ -123,6 +134,9 @@ class Scheduler:
         request.finish_reason = reason
 
     def _preempt(self, request: Request) -> None:
+        if self.swap and request.num_computed_tokens > 0:  # the engine copies these before the step
+            num_blocks = self.kv_cache.num_blocks_for(request.num_computed_tokens)
+            request.swap_out = (self.kv_cache.block_ids(request.request_id)[:num_blocks], request.num_computed_tokens)
         self.kv_cache.free(request.request_id)
         request.kv_import = None  # its blocks are gone: it is recomputed here from the start
         request.kv_restore = []

@@ -1,6 +1,8 @@
 """Greedy outputs equal HF transformers token for token on the real default model: run
 concurrently, with chunked prefill forced small, with prefix-cache hits, and under preemption."""
 
+import pytest
+
 from cluster import LLM, SamplingParams
 from tests.conftest import PARITY_MAX_TOKENS
 from tests.hf_reference import check_all
@@ -37,11 +39,14 @@ def test_prefix_cache_hits_match_hf(llm, encoded, references):
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
 
 
-def test_preempted_requests_still_match_hf(model_dir, encoded, references):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_still_match_hf(model_dir, encoded, references, mode):
     short = [i for i, ids in enumerate(encoded) if len(ids) < 100]
     # 12 blocks of 16 tokens cannot hold every short request's context at once
-    tight = LLM(model_dir, num_blocks=12)
+    tight = LLM(model_dir, num_blocks=12, preemption_mode=mode, enable_prefix_caching=mode == "recompute")
     outputs = tight.generate([encoded[i] for i in short], GREEDY)
     assert tight.engine.scheduler.num_preemptions > 0
+    # swap: every preempted request came back from host memory (no prefix cache to help it)
+    assert tight.engine.scheduler.num_swapped_in == (tight.engine.scheduler.num_preemptions if mode == "swap" else 0)
     check_all([o.outputs[0].token_ids for o in outputs], [references[i] for i in short])
     assert tight.engine.num_free_blocks == 12
