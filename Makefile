@@ -40,6 +40,8 @@ bench: model
 	$(BIN)/python -m benchmarks.tp_step_time
 	$(BIN)/python -m benchmarks.kv_transfer
 	$(BIN)/python -m benchmarks.disaggregation
+	$(BIN)/python -m benchmarks.kv_tiers
+	$(BIN)/python -m benchmarks.kv_restart
 
 clean:
 	rm -rf $(VENV)
