@@ -111,7 +111,7 @@ class KVCacheManager:
             if start == num_device_blocks:
                 return self.offload.take_prefetched(future)
             self.offload.stats.prefetch_stale += 1
-        return self.offload.load_prefix(entry.hashes[num_device_blocks:])
+        return self.offload.load_now(entry.hashes[num_device_blocks:])
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup once its request is admitted (a request may be looked up again while

@@ -12,6 +12,7 @@ is recomputed, so a damaged page costs time, never a wrong token.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,13 +30,14 @@ class OffloadStats:
     prefetch_on_time: int = 0  # loaded before the request was scheduled
     prefetch_late: int = 0  # the scheduler had to wait for it
     prefetch_stale: int = 0  # the device cache changed meanwhile: loaded again at schedule time
+    restore_wait_s: float = 0.0  # time the scheduler spent waiting for pages (loads or late prefetches)
 
     def as_dict(self) -> dict:
         prefetches = self.prefetch_on_time + self.prefetch_late
         return {"spilled_blocks": self.spilled_blocks, "restored_blocks": self.restored_blocks,
                 "restored_from": dict(self.restored_from or {}), "failed_spills": self.failed_spills,
                 "prefetch_on_time": self.prefetch_on_time, "prefetch_late": self.prefetch_late,
-                "prefetch_stale": self.prefetch_stale,
+                "prefetch_stale": self.prefetch_stale, "restore_wait_s": self.restore_wait_s,
                 "prefetch_on_time_rate": self.prefetch_on_time / prefetches if prefetches else 0.0}
 
 
@@ -84,12 +86,25 @@ class KVOffload:
         return self._prefetcher.submit(self.load_prefix, keys)
 
     def take_prefetched(self, future: Future) -> list[bytes]:
-        """A prefetch's payloads, counted on time when it had finished, late when we wait here."""
-        if future.done():
-            self.stats.prefetch_on_time += 1
-        else:
-            self.stats.prefetch_late += 1
-        return future.result()
+        """A prefetch's payloads. One that found pages counts as on time when it had finished,
+        late when the scheduler has to wait for it here."""
+        on_time = future.done()
+        start = time.perf_counter()
+        payloads = future.result()
+        self.stats.restore_wait_s += time.perf_counter() - start
+        if payloads:
+            if on_time:
+                self.stats.prefetch_on_time += 1
+            else:
+                self.stats.prefetch_late += 1
+        return payloads
+
+    def load_now(self, keys: list[bytes]) -> list[bytes]:
+        """load_prefix on the caller's thread (no prefetch was usable), timed as waiting."""
+        start = time.perf_counter()
+        payloads = self.load_prefix(keys)
+        self.stats.restore_wait_s += time.perf_counter() - start
+        return payloads
 
     def flush(self) -> None:
         """Wait for queued spills (tests, shutdown)."""

@@ -33,6 +33,7 @@ class EngineConfig:
     # > 0: those tiers live in N shared CacheService actors (cache_service/service.py) that every
     # replica of the model uses, instead of in this process.
     kv_cache_service_shards: int = 0
+    kv_prefetch: bool = True  # load a queued request's prefix from the lower tiers while it waits
     # Disaggregation: "prefill" or "decode" engines move KV through Ray's object store.
     kv_role: str | None = None
 

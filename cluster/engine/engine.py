@@ -68,7 +68,7 @@ class LLMEngine:
             offload=self._build_offload(config),
         )
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.preemption_mode)
+                                   config.preemption_mode, prefetch=config.kv_prefetch)
         self._requests: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(config.seed)

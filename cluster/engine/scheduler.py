@@ -47,9 +47,10 @@ class SchedulerPlan:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 preemption_mode: str = "recompute"):
+                 preemption_mode: str = "recompute", prefetch: bool = True):
         self.kv_cache = kv_cache
         self.swap = preemption_mode == "swap"
+        self.prefetch = prefetch
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -63,7 +64,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-        if request.kv_import is None:
+        if self.prefetch and request.kv_import is None:
             self.kv_cache.prefetch(request.request_id, request.token_ids, request.salt)
 
     def schedule(self) -> SchedulerPlan:
