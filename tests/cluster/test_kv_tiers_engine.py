@@ -109,3 +109,15 @@ def test_two_engines_share_the_cache_service(server, model_dir, prompts, cold):
     finally:
         for shard in shared.shards:
             ray.kill(shard)
+
+
+def test_an_unwritable_disk_tier_degrades_to_recompute(model_dir, prompts, cold, caplog):
+    """A disk tier that cannot be written turns itself off; requests still get the same answer."""
+    engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
+                                    disk_kv_bytes=64 << 20, kv_cache_dir="/proc/pagoda-cannot-write-here"))
+    assert answer(engine, "first", prompts[0]) == cold
+    evict(engine, prompts)
+    assert answer(engine, "again", prompts[0]) == cold
+    disk = engine.kv_cache.offload.tiers[0]
+    assert disk.enabled is False and "is off" in caplog.text
+    assert engine.kv_cache.offload.describe()["failed_spills"] > 0
