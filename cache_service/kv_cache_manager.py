@@ -24,7 +24,10 @@ class _RequestBlocks:
     # Hashes of this request's full blocks, in order, as far as they have been computed.
     hashes: list[BlockHash] = field(default_factory=list)
     num_cached_blocks: int = 0
-    prefetch: tuple[int, Future] | None = None  # (first block, loading) while the request waits
+    # Pages from the lower tiers for the blocks from `first block` on, loading or loaded, kept
+    # until the request is admitted (it may wait for device blocks over several steps).
+    prefetch: tuple[int, Future] | None = None
+    prefetch_taken: bool = False
 
 
 class KVCacheManager:
@@ -105,13 +108,24 @@ class KVCacheManager:
         entry = self._requests.get(request_id)
         if self.offload is None or entry is None or not self.pool.enable_prefix_caching:
             return []
-        prefetch, entry.prefetch = entry.prefetch, None
-        if prefetch is not None:
-            start, future = prefetch
-            if start == num_device_blocks:
-                return self.offload.take_prefetched(future)
+        if entry.prefetch is not None and entry.prefetch[0] == num_device_blocks:
+            future = entry.prefetch[1]
+            if entry.prefetch_taken:  # an earlier attempt to admit it ran out of blocks
+                return future.result()
+            entry.prefetch_taken = True
+            return self.offload.take_prefetched(future)
+        if entry.prefetch is not None:
             self.offload.stats.prefetch_stale += 1
-        return self.offload.load_now(entry.hashes[num_device_blocks:])
+        loaded = Future()
+        loaded.set_result(self.offload.load_now(entry.hashes[num_device_blocks:]))
+        entry.prefetch, entry.prefetch_taken = (num_device_blocks, loaded), True
+        return loaded.result()
+
+    def drop_loaded(self, request_id: str) -> None:
+        """The request was admitted with its pages: they are the engine's to write now."""
+        entry = self._requests.get(request_id)
+        if entry is not None:
+            entry.prefetch = None
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup once its request is admitted (a request may be looked up again while
