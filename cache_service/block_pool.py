@@ -39,7 +39,8 @@ class PrefixCacheStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, record_evictions: bool = False):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, record_evictions: bool = False,
+                 record_cached: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -53,6 +54,9 @@ class BlockPool:
         # take_evicted(); the engine copies them down before the step overwrites them.
         self.record_evictions = record_evictions
         self._evicted: list[tuple[int, BlockHash]] = []
+        # Write-through: blocks newly registered as cached, for the engine to copy down at once.
+        self.record_cached = record_cached
+        self._newly_cached: list[tuple[int, BlockHash]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,6 +121,13 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self._cached[block_hash] = block.block_id
+        if self.record_cached:
+            self._newly_cached.append((block.block_id, block_hash))
+
+    def take_newly_cached(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the blocks cached since the last call (write-through)."""
+        cached, self._newly_cached = self._newly_cached, []
+        return cached
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

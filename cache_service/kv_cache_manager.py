@@ -38,11 +38,16 @@ class KVCacheManager:
         model_identity: str,
         enable_prefix_caching: bool = True,
         offload: KVOffload | None = None,
+        write_through: bool = False,
     ):
         self.block_size = block_size
         self.model_identity = model_identity
         self.offload = offload  # the tiers below device memory, if any
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_evictions=offload is not None)
+        # Evicted blocks go down when they leave device memory, or (write-through) every block as
+        # soon as it is full and computed, so that a crash loses none.
+        self.write_through = offload is not None and write_through
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_evictions=offload is not None and not write_through,
+                              record_cached=self.write_through)
         self._requests: dict[str, _RequestBlocks] = {}
 
     @property

@@ -118,6 +118,9 @@ class KVOffload:
         return {"tiers": tiers, **self.stats.as_dict()}
 
     def _write(self, blocks: list[tuple[bytes, np.ndarray]]) -> None:
+        with self._lock:  # pages every tier has already (a restored block cached again): skip
+            held = [tier.contains([key for key, _ in blocks]) for tier in self.tiers]
+        blocks = [b for i, b in enumerate(blocks) if not all(h[i] for h in held)]
         pages = [(key, page_codec.encode(key, self.identity, payload, self.codec)) for key, payload in blocks]
         with self._lock:
             stored = [tier.put_many(pages) for tier in self.tiers]

@@ -57,8 +57,9 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--disk-kv-gb", type=click.FloatRange(min=0), default=None, help="Disk (NVMe) tier below that; survives restarts.")
 @click.option("--kv-cache-dir", type=click.Path(file_okay=False), default=None,
               help="Directory of the disk tier (default: $PAGODA_HOME/kv-cache).")
+@click.option("--kv-write-through", is_flag=True, help="Write every KV block down once computed (a crash loses none).")
 def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp,
-          device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir) -> None:
+          device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground; Ctrl-C stops it."""
     import signal
 
@@ -82,6 +83,8 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
     for key, value in (("kv_cache_bytes", device_kv_gb), ("host_kv_bytes", host_kv_gb), ("disk_kv_bytes", disk_kv_gb)):
         if value is not None:
             engine[key] = int(value * gib)
+    if kv_write_through:
+        engine["kv_write_through"] = True
     if kv_cache_dir or engine.get("disk_kv_bytes"):
         from cluster.model_fetch import pagoda_home
 

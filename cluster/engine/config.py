@@ -34,6 +34,9 @@ class EngineConfig:
     # replica of the model uses, instead of in this process.
     kv_cache_service_shards: int = 0
     kv_prefetch: bool = True  # load a queued request's prefix from the lower tiers while it waits
+    # Write every block down as soon as it is full and computed, not only when device memory gives
+    # it up: a crash (SIGKILL) then loses none of it, for a copy per block and background writes.
+    kv_write_through: bool = False
     # Disaggregation: "prefill" or "decode" engines move KV through Ray's object store.
     kv_role: str | None = None
 

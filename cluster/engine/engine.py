@@ -65,7 +65,7 @@ class LLMEngine:
         self.model_identity = _model_identity(model_dir, config)
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, config.block_size, self.model_identity, config.enable_prefix_caching,
-            offload=self._build_offload(config),
+            offload=self._build_offload(config), write_through=config.kv_write_through,
         )
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.preemption_mode, prefetch=config.kv_prefetch)
@@ -166,7 +166,10 @@ class LLMEngine:
             self._spill_evicted()
         if plan.is_empty:
             return []
-        return self.update(plan, self.runner.execute(self.build_inputs(plan)))
+        deltas = self.update(plan, self.runner.execute(self.build_inputs(plan)))
+        if self.kv_cache.write_through:  # the blocks this step filled, now that their KV exists
+            self._spill(self.kv_cache.pool.take_newly_cached())
+        return deltas
 
     def spill_prefix_cache(self) -> int:
         """Move every cached block that no request holds down to the lower tiers, freeing device
@@ -183,11 +186,13 @@ class LLMEngine:
     def _spill_evicted(self) -> int:
         """Cached blocks this schedule handed out for new contents: copy them now, before the
         step overwrites them; the writer thread compresses and stores them."""
-        evicted = self.kv_cache.pool.take_evicted()
-        if evicted:
-            payloads = self.runner.read_blocks([block_id for block_id, _ in evicted])
-            self.kv_cache.offload.spill([(block_hash, payload) for (_, block_hash), payload in zip(evicted, payloads)])
-        return len(evicted)
+        return self._spill(self.kv_cache.pool.take_evicted())
+
+    def _spill(self, blocks: list[tuple[int, bytes]]) -> int:
+        if blocks:
+            payloads = self.runner.read_blocks([block_id for block_id, _ in blocks])
+            self.kv_cache.offload.spill([(block_hash, payload) for (_, block_hash), payload in zip(blocks, payloads)])
+        return len(blocks)
 
     def build_inputs(self, plan: SchedulerPlan) -> list[SequenceInput]:
         inputs = []

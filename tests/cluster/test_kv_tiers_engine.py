@@ -121,3 +121,21 @@ def test_an_unwritable_disk_tier_degrades_to_recompute(model_dir, prompts, cold,
     disk = engine.kv_cache.offload.tiers[0]
     assert disk.enabled is False and "is off" in caplog.text
     assert engine.kv_cache.offload.describe()["failed_spills"] > 0
+
+
+def test_write_through_survives_a_crash_without_any_eviction(model_dir, tmp_path, prompts, cold):
+    """kv_write_through: every block goes down once computed, so an engine that dies with the
+    document still in device memory (nothing evicted) leaves it on disk for the next one."""
+    config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
+                  kv_cache_dir=str(tmp_path / "kv"), kv_write_through=True)
+    engine = LLMEngine(EngineConfig(**config))
+    assert answer(engine, "first", prompts[0]) == cold
+    engine.kv_cache.offload.flush()
+    assert engine.kv_cache.pool.num_cached_blocks >= len(prompts[0]) // 16  # still all in device memory
+    del engine  # a crash: no drain, no eviction
+    restarted = LLMEngine(EngineConfig(**config))
+    assert answer(restarted, "again", prompts[0]) == cold
+    restarted.kv_cache.offload.flush()
+    stats = restarted.kv_cache.offload.describe()
+    assert stats["restored_from"]["disk"] == len(prompts[0]) // 16
+    assert stats["spilled_blocks"] == 0  # restored (and re-computed identical) blocks are not written again
