@@ -8,7 +8,6 @@ code the cluster runs, with the object store replaced by passing the arrays them
 """
 
 import dataclasses
-import threading
 
 import torch
 
@@ -18,7 +17,7 @@ from cluster.engine.sampling_params import SamplingParams
 from model.kv_transfer import KVImport, covered
 from model.runner import ModelRunner, SequenceInput
 from model.sampler import SamplingRow
-from tests.model.test_tensor_parallel import ThreadAllReduce
+from tests.model.test_tensor_parallel import ThreadAllReduce, run_step
 from tests.parity_prompts import DOC
 
 
@@ -63,20 +62,6 @@ def test_prefill_on_one_engine_decode_on_another_equals_one_engine(model_dir, to
     assert decode.kv_cache.pool.stats.num_hit_tokens > 0  # the decode side reused its own prefix cache too
 
 
-def run_ranks(runners, seqs, run=ModelRunner.execute):
-    outputs = [None] * len(runners)
-
-    def work(rank):
-        outputs[rank] = run(runners[rank], seqs)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(runners))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return outputs
-
-
 def tp_ranks(model_dir, tp):
     collective = ThreadAllReduce(tp)
     return [ModelRunner(model_dir, num_blocks=8, tp_rank=r, tp_size=tp, reduce=collective.for_rank(r)) for r in range(tp)]
@@ -93,7 +78,7 @@ def test_kv_reshards_between_tp_degrees(model_dir, tokenizer):
 
     # TP=2 prefill ranks export their heads (2 + 1); a TP=1 runner installs all three.
     ranks = tp_ranks(model_dir, 2)
-    outputs = run_ranks(ranks, [SequenceInput(prompt, 0, [4, 5, 6, 7], greedy, export_kv_from=0)])
+    outputs = run_step(ranks, [SequenceInput(prompt, 0, [4, 5, 6, 7], greedy, export_kv_from=0)], run=ModelRunner.execute)
     parts = outputs[0].kv_parts[0] + outputs[1].kv_parts[0]
     assert {p.heads for p in parts} == {(0, 2), (2, 3)}
     target = ModelRunner(model_dir, num_blocks=8)
@@ -103,6 +88,6 @@ def test_kv_reshards_between_tp_degrees(model_dir, tokenizer):
 
     # TP=1's export installs into TP=3 ranks (one head each).
     three = tp_ranks(model_dir, 3)
-    run_ranks(three, decode_step([1, 2, 3, 4], KVImport(out.kv_parts[0], 0, len(prompt))))
-    for logits in run_ranks(three, decode_step([1, 2, 3, 4]), run=lambda r, seqs: r.forward(r.prepare(seqs))):
+    run_step(three, decode_step([1, 2, 3, 4], KVImport(out.kv_parts[0], 0, len(prompt))), run=ModelRunner.execute)
+    for logits in run_step(three, decode_step([1, 2, 3, 4])):
         torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)

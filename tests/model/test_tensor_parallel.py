@@ -56,12 +56,12 @@ class ThreadAllReduce:
         return reduce
 
 
-def run_step(runners, seqs) -> list[torch.Tensor]:
+def run_step(runners, seqs, run=lambda runner, seqs: runner.forward(runner.prepare(seqs))) -> list:
+    """Every rank runs `run(runner, seqs)` (default: the bare model's logits) in a thread of its own."""
     outputs = [None] * len(runners)
 
     def work(rank):
-        runner = runners[rank]
-        outputs[rank] = runner.forward(runner.prepare(seqs))
+        outputs[rank] = run(runners[rank], seqs)
 
     threads = [threading.Thread(target=work, args=(rank,)) for rank in range(len(runners))]
     for t in threads:
