@@ -42,6 +42,8 @@ bench: model
 	$(BIN)/python -m benchmarks.disaggregation
 	$(BIN)/python -m benchmarks.kv_tiers
 	$(BIN)/python -m benchmarks.kv_restart
+	$(BIN)/python -m benchmarks.kv_prefetch
+	$(BIN)/python -m benchmarks.kv_write_through
 
 clean:
 	rm -rf $(VENV)
