@@ -100,21 +100,6 @@ def install(layer_caches: torch.Tensor, imp: KVImport, heads: tuple[int, int], b
         cache[:, blocks[rows], :, offsets[rows]] = src.to(cache.device, cache.dtype)
 
 
-def covered(parts: list[KVPart], num_layers: int, num_kv_heads: int, stop: int) -> bool:
-    """Whether the parts hold every layer and head for positions [0, stop) (a complete export)."""
-    for layer in range(num_layers):
-        for head in range(num_kv_heads):
-            ranges = sorted(p.tokens for p in parts if p.layer == layer and p.heads[0] <= head < p.heads[1])
-            reach = 0
-            for lo, hi in ranges:
-                if lo > reach:
-                    return False
-                reach = max(reach, hi)
-            if reach < stop:
-                return False
-    return True
-
-
 def to_numpy(t: torch.Tensor):
     """A CPU tensor as a numpy array; bfloat16 as its int16 bits (numpy has no bfloat16)."""
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()

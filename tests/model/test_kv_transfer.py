@@ -14,7 +14,7 @@ import torch
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from model.kv_transfer import KVImport, covered
+from model.kv_transfer import KVImport, KVPart
 from model.runner import ModelRunner, SequenceInput
 from model.sampler import SamplingRow
 from tests.model.test_tensor_parallel import ThreadAllReduce, run_step
@@ -27,6 +27,21 @@ def run_to_end(engine: LLMEngine) -> dict:
         for delta in engine.step():
             outputs.setdefault(delta.request_id, []).append(delta)
     return outputs
+
+
+def covered(parts: list[KVPart], num_layers: int, num_kv_heads: int, stop: int) -> bool:
+    """Whether the parts hold every layer and head for positions [0, stop) (a complete export)."""
+    for layer in range(num_layers):
+        for head in range(num_kv_heads):
+            ranges = sorted(p.tokens for p in parts if p.layer == layer and p.heads[0] <= head < p.heads[1])
+            reach = 0
+            for lo, hi in ranges:
+                if lo > reach:
+                    return False
+                reach = max(reach, hi)
+            if reach < stop:
+                return False
+    return True
 
 
 def test_prefill_on_one_engine_decode_on_another_equals_one_engine(model_dir, tokenizer):
