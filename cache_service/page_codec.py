@@ -118,7 +118,7 @@ def _unpack(data: bytes):
     if fields[0] != MAGIC:
         raise PageError("bad_header", "no page magic")
     if fields[1] != VERSION:
-        raise PageError("bad_header", f"format version {fields[1]}")
+        raise PageError("foreign", f"format version {fields[1]}")  # another Pagoda's page: not ours to judge
     return fields
 
 

@@ -48,7 +48,7 @@ class CacheService:
         return pages
 
     def put(self, pages: list[tuple[bytes, bytes]]) -> int:
-        return sum(any([tier.put(key, page) for tier in self.tiers]) for key, page in pages)
+        return max(tier.put_many(pages) for tier in self.tiers)  # a batch per tier (one directory fsync)
 
     def reject(self, key: bytes, reason: str) -> None:
         for tier in self.tiers:

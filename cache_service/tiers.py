@@ -5,10 +5,12 @@ reason; the disk tier moves the file to quarantine/). Keys are block hashes.
 
     HostTier   a dict in this process's RAM
     DiskTier   one file per page in a directory (local NVMe): written to a temporary name, fsynced,
-               renamed, so a crash leaves either the whole page or no page; on start the index is
-               rebuilt from the files' headers (pages of another model identity are left alone) and
-               temporary files are swept; a page that fails its checks is moved to quarantine/; a
-               full or unwritable disk turns the tier off with a warning instead of failing requests.
+               renamed (the directory fsynced once per batch), so a crash leaves either the whole
+               page or no page; on start the index is rebuilt from the files' headers (pages of
+               another model identity or format version are left alone; an empty or cut-short file
+               is quarantined) and temporary files are swept; a page that fails its checks is moved
+               to quarantine/; a full or unwritable disk turns the tier off with a warning instead
+               of failing requests.
 
 `build_tiers` orders them fastest first.
 """
@@ -122,6 +124,15 @@ class DiskTier(BatchedTier):
     # ---- the interface --------------------------------------------------------------------
 
     def put(self, key: bytes, page: bytes) -> bool:
+        return self.put_many([(key, page)]) == 1
+
+    def put_many(self, pages: list[tuple[bytes, bytes]]) -> int:
+        written = sum(self._write(key, page) for key, page in pages)
+        if written and self.enabled:
+            self._sync_directory()
+        return written
+
+    def _write(self, key: bytes, page: bytes) -> bool:
         if not self.enabled or len(page) > self.capacity_bytes:
             return False
         if key in self._index:  # pages are immutable: the same key holds the same KV
@@ -184,8 +195,12 @@ class DiskTier(BatchedTier):
                 with open(path, "rb") as f:
                     head = f.read(page_codec.HEADER_SIZE + 4096)
                 key, identity = page_codec.read_header(head)
-            except (OSError, page_codec.PageError):
-                continue  # checked, and quarantined, when first read
+            except OSError:
+                continue
+            except page_codec.PageError as e:
+                if e.reason != "foreign":  # empty, cut short or not a page at all
+                    self._quarantine(path, e.reason)
+                continue
             if identity != self.identity or path.name != f"{key.hex()}{self.SUFFIX}":
                 continue  # another model's page, or a misnamed file: never used, never counted
             size = path.stat().st_size
@@ -193,6 +208,17 @@ class DiskTier(BatchedTier):
             self.used_bytes += size
         while self.used_bytes > self.capacity_bytes:  # the cap may have shrunk since
             self._evict_oldest()
+
+    def _sync_directory(self) -> None:
+        """The renames themselves reach the disk (a crash after put returned keeps the pages)."""
+        try:
+            fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self._disable(e)
 
     def _evict_oldest(self) -> None:
         key, _ = next(iter(self._index.items()))
@@ -205,15 +231,18 @@ class DiskTier(BatchedTier):
 
     def reject(self, key: bytes, reason: str) -> None:
         """A page that failed its checks: counted, moved to quarantine/, never read again."""
+        self._quarantine(self._path(key), reason)
+        self._forget(key)
+
+    def _quarantine(self, path: Path, reason: str) -> None:
         self.stats.bad_pages[reason] = self.stats.bad_pages.get(reason, 0) + 1
-        logger.warning("KV page %s failed its check (%s); quarantined", key.hex(), reason)
+        logger.warning("KV page %s failed its check (%s); quarantined", path.name, reason)
         quarantine = self.directory / "quarantine"
         try:
             quarantine.mkdir(exist_ok=True)
-            os.replace(self._path(key), quarantine / self._path(key).name)
+            os.replace(path, quarantine / path.name)
         except OSError:
-            self._path(key).unlink(missing_ok=True)
-        self._forget(key)
+            path.unlink(missing_ok=True)
 
     def _disable(self, error: OSError) -> None:
         if self.enabled:

@@ -109,17 +109,20 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
     def read_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
-        """A copy of each block's KV as a page payload: [layers, K/V, kv_heads, block_size, head_dim]
-        (bfloat16 as its int16 bits: numpy has no bfloat16)."""
+        """A copy of each block's KV, this rank's heads: [layers, K/V, kv_heads, block_size, head_dim]
+        (bfloat16 as its int16 bits: numpy has no bfloat16). With TP=1, a page payload as it is;
+        a TP group joins its ranks' heads (TPGroup.read_blocks)."""
         blocks = self.kv_cache[:, :, block_ids].movedim(2, 0).contiguous().cpu()
         return list(to_numpy(blocks))
 
     def write_blocks(self, block_ids: tuple[int, ...], payloads: tuple[bytes, ...]) -> None:
-        """The inverse of read_blocks, from payload bytes."""
-        shape = (self.config.num_hidden_layers, 2, self.num_kv_heads, self.block_size, self.config.head_dim)
+        """From page payloads, which hold every KV head (any TP degree wrote them): this rank's heads."""
+        c = self.config
+        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, self.block_size, c.head_dim)
+        first, last = self.kv_heads
         blocks = torch.stack([from_numpy(np.frombuffer(p, _numpy_dtype(self.dtype)).reshape(shape), self.dtype)
                               for p in payloads])
-        self.kv_cache[:, :, list(block_ids)] = blocks.movedim(0, 2).to(self.device)
+        self.kv_cache[:, :, list(block_ids)] = blocks[:, :, :, first:last].movedim(0, 2).to(self.device)
 
     @property
     def bytes_per_block(self) -> int:

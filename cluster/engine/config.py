@@ -22,6 +22,9 @@ class EngineConfig:
     # When blocks run out: "recompute" a preempted request later (mostly from the prefix cache),
     # or "swap" its KV to host memory and back.
     preemption_mode: str = "recompute"
+    # Host memory that swapped-out KV may take (as vLLM's swap_space); a preemption that would go
+    # beyond it recomputes instead.
+    swap_space_bytes: int = 4 << 30
     tensor_parallel_size: int = 1  # > 1: a group of Ray actors, one per rank (cluster/executor)
     tp_collective: str = "auto"  # "auto" (NCCL / deepspeed shared memory / gloo) or "gloo"
     seed: int = 0  # for requests that bring no seed of their own
@@ -44,13 +47,9 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("host_kv_bytes", "disk_kv_bytes"):
+        for name in ("host_kv_bytes", "disk_kv_bytes", "swap_space_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.preemption_mode == "swap" and self.tensor_parallel_size > 1:
-            raise ValueError("preemption_mode 'swap' needs tensor_parallel_size 1 for now")
-        if (self.host_kv_bytes or self.disk_kv_bytes) and self.tensor_parallel_size > 1:
-            raise ValueError("host_kv_bytes / disk_kv_bytes: the lower KV tiers need tensor_parallel_size 1 for now")
         if self.disk_kv_bytes and not self.kv_cache_dir:
             raise ValueError("disk_kv_bytes needs kv_cache_dir (the disk tier's directory)")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -29,7 +29,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerPlan
 from model.loader import parse_dtype
 from model.kv_transfer import KVImport
-from model.runner import ModelRunner, SampledToken, SequenceInput, StepOutput
+from model.runner import ModelRunner, SampledToken, SequenceInput, StepOutput, kv_bytes_per_block
 from model.sampler import SamplingRow
 
 
@@ -67,8 +67,11 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, self.model_identity, config.enable_prefix_caching,
             offload=self._build_offload(config), write_through=config.kv_write_through,
         )
+        c = self.model_config
+        page_bytes = kv_bytes_per_block(c, c.num_key_value_heads, config.block_size, parse_dtype(config.dtype))
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.preemption_mode, prefetch=config.kv_prefetch)
+                                   config.preemption_mode, prefetch=config.kv_prefetch,
+                                   swap_space_blocks=config.swap_space_bytes // page_bytes)
         self._requests: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(config.seed)
@@ -277,9 +280,10 @@ class LLMEngine:
         if not (config.host_kv_bytes or config.disk_kv_bytes):
             return None
         c = self.model_config
-        identity = {"model": self.model_identity, "layers": c.num_hidden_layers, "kv_heads": self.runner.num_kv_heads,
-                    "head_dim": c.head_dim, "block_size": config.block_size, "dtype": config.dtype,
-                    "tp_rank": 0, "tp_size": config.tensor_parallel_size}
+        # Pages hold every KV head whatever the TP degree (TPGroup.read_blocks joins the ranks'),
+        # so the degree is not part of their identity: a TP=2 server's pages serve a TP=1 one.
+        identity = {"model": self.model_identity, "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads,
+                    "head_dim": c.head_dim, "block_size": config.block_size, "dtype": config.dtype}
         if config.kv_cache_service_shards:
             from cache_service.service import shared_tier
 

@@ -47,9 +47,11 @@ class SchedulerPlan:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 preemption_mode: str = "recompute", prefetch: bool = True):
+                 preemption_mode: str = "recompute", prefetch: bool = True, swap_space_blocks: int = 0):
         self.kv_cache = kv_cache
         self.swap = preemption_mode == "swap"
+        self.swap_space_blocks = swap_space_blocks
+        self.num_swapped_blocks = 0  # held in host memory by preempted requests now
         self.prefetch = prefetch
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -111,7 +113,7 @@ class Scheduler:
             request.kv_import_from = num_cached
             request.kv_restore = restored
             if request.swapped is not None:
-                request.swapped = None
+                self._drop_swapped(request)
                 self.num_swapped_in += 1
             self.running.append(request)
             plan.scheduled.append(ScheduledRequest(request, num_new))
@@ -131,14 +133,17 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+            self._drop_swapped(request)
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
     def _preempt(self, request: Request) -> None:
-        if self.swap and request.num_computed_tokens > 0:  # the engine copies these before the step
-            num_blocks = self.kv_cache.num_blocks_for(request.num_computed_tokens)
+        num_blocks = self.kv_cache.num_blocks_for(request.num_computed_tokens)
+        if self.swap and 0 < num_blocks <= self.swap_space_blocks - self.num_swapped_blocks:
+            # the engine copies these before the step; without room in swap space: recompute
             request.swap_out = (self.kv_cache.block_ids(request.request_id)[:num_blocks], request.num_computed_tokens)
+            self.num_swapped_blocks += num_blocks
         self.kv_cache.free(request.request_id)
         request.kv_import = None  # its blocks are gone: it is recomputed here from the start
         request.kv_restore = []
@@ -147,3 +152,9 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _drop_swapped(self, request: Request) -> None:
+        """Its swapped-out KV is back in device memory, or no longer needed: free its host memory."""
+        if request.swap_out is not None or request.swapped is not None:
+            self.num_swapped_blocks -= len(request.swap_out[0] if request.swap_out else request.swapped[1])
+        request.swap_out = request.swapped = None

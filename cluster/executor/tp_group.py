@@ -18,6 +18,7 @@ import os
 import socket
 from pathlib import Path
 
+import numpy as np
 import ray
 import torch
 
@@ -44,6 +45,9 @@ class TPWorker:
         return {"rank": self.rank, "pid": os.getpid(), "node_id": context.get_node_id(), "collective": self.collective,
                 "kv_heads": self.runner.num_kv_heads, "num_blocks": self.runner.num_blocks,
                 "max_model_len": self.runner.max_model_len}
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[tuple[int, int], list[np.ndarray]]:
+        return self.runner.kv_heads, self.runner.read_blocks(block_ids)
 
     def execute(self, seqs):
         output = self.runner.execute(seqs)
@@ -90,8 +94,17 @@ class TPGroup:
         self.num_blocks = num_blocks
         self.max_model_len = self.ranks[0]["max_model_len"]
 
+    def read_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
+        """Each block's KV with every head, joined from the ranks (the first holder of each head):
+        pages do not depend on the TP degree, so any group, or a single runner, can restore them."""
+        parts = dict(reversed(_get_all([w.read_blocks.remote(block_ids) for w in self.workers])))
+        heads = [parts[r] for r in sorted(parts)]
+        return [np.concatenate([blocks[i] for blocks in heads], axis=2) for i in range(len(block_ids))]
+
     def execute(self, seqs) -> StepOutput:
-        outputs = _get_all([w.execute.remote(seqs) for w in self.workers])
+        # Pages to restore (every head) go to every rank: put them into the object store once.
+        shipped = ray.put(seqs) if any(s.restore_blocks for s in seqs) else seqs
+        outputs = _get_all([w.execute.remote(shipped) for w in self.workers])
         output, states = outputs[0]
         for seq, state in zip(seqs, states):
             if state is not None:

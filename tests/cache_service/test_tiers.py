@@ -57,10 +57,18 @@ def test_restart_rebuilds_the_index_sweeps_temporaries_and_ignores_other_models(
     other_key = (99).to_bytes(16, "little")
     other = page_codec.encode(other_key, {**IDENTITY, "weights": "other"}, kv_block("float32"))
     (tmp_path / f"{other_key.hex()}.page").write_bytes(other)
+    newer_key = (98).to_bytes(16, "little")  # a later format version's page: not ours to judge either
+    newer = bytearray(page_codec.encode(newer_key, IDENTITY, kv_block("float32")))
+    newer[4:6] = (page_codec.VERSION + 1).to_bytes(2, "little")
+    (tmp_path / f"{newer_key.hex()}.page").write_bytes(newer)
     (tmp_path / f"{(5).to_bytes(16, 'little').hex()}.tmp").write_bytes(mine[0][1][:100])  # a cut-short write
+    empty = tmp_path / f"{(6).to_bytes(16, 'little').hex()}.page"  # renamed, its data never reached the disk
+    empty.write_bytes(b"")
 
     again = DiskTier(tmp_path, 1 << 30, IDENTITY)
     assert len(again) == 3 and again.used_bytes == sum(len(d) for _, d in mine)
+    assert again.stats.bad_pages == {"truncated": 1} and (tmp_path / "quarantine" / empty.name).exists()
+    assert (tmp_path / f"{newer_key.hex()}.page").exists()
     assert [again.get(k) for k, _ in mine] == [d for _, d in mine]
     assert again.contains([other_key]) == [False] and again.get(other_key) is None
     assert not list(tmp_path.glob("*.tmp"))

@@ -1,13 +1,17 @@
 """The engine over the lower KV tiers, on the real model: a prompt whose blocks were evicted from
 device memory is restored from host RAM or from disk (also by a new engine on the same directory,
 as after a restart) instead of recomputed, and answers exactly as a cold run; a damaged page on
-disk is detected and recomputed with the same answer."""
+disk (flipped byte, truncated, empty, bad LZ4 frame) is detected and recomputed with the same answer."""
+
+import shutil
 
 import pytest
 
+from cache_service.hashing import hash_full_blocks, root_hash
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
+from tests.cache_service.test_page_codec import damage
 from tests.parity_prompts import DOC, DOC_B
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -73,21 +77,32 @@ def test_evicted_prefix_comes_back_from_disk_after_a_restart(model_dir, tmp_path
     assert restarted.kv_cache.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
 
 
-def test_a_damaged_page_on_disk_is_recomputed_with_the_same_answer(model_dir, tmp_path, prompts, cold):
-    engine = small_engine(model_dir, tmp_path)
+@pytest.fixture(scope="module")
+def spilled_pages(model_dir, tmp_path_factory, prompts):
+    """A disk tier holding the doc's pages, left by an engine that is gone (pristine: copy it)."""
+    home = tmp_path_factory.mktemp("spilled")
+    engine = small_engine(model_dir, home)
     answer(engine, "first", prompts[0])
     evict(engine, prompts)
-    del engine
-    pages = sorted((tmp_path / "kv").glob("*.page"), key=lambda p: p.stat().st_mtime)
-    victim = pages[len(pages) // 4]  # a page inside the doc's prefix
-    data = bytearray(victim.read_bytes())
-    data[-50] ^= 0x10
-    victim.write_bytes(bytes(data))
+    return home / "kv", hash_full_blocks(prompts[0], 16, root_hash(engine.kv_cache.model_identity))
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("flipped_payload_byte", "checksum"), ("truncated", "truncated"), ("zero_length", "truncated"),
+    ("bad_lz4_frame", "codec"),
+])
+def test_a_damaged_page_on_disk_is_recomputed_with_the_same_answer(model_dir, tmp_path, prompts, cold,
+                                                                    spilled_pages, kind, reason):
+    pages, doc_hashes = spilled_pages
+    shutil.copytree(pages, tmp_path / "kv")
+    victim = tmp_path / "kv" / f"{doc_hashes[10].hex()}.page"  # the doc's 11th block
+    victim.write_bytes(damage(victim.read_bytes(), kind))
     restarted = small_engine(model_dir, tmp_path, host=False)
     assert answer(restarted, "again", prompts[0]) == cold
-    disk = restarted.kv_cache.offload.describe()["tiers"]["disk"]
-    assert disk["bad_pages"] == {"checksum": 1}
-    assert (tmp_path / "kv" / "quarantine" / victim.name).exists()
+    stats = restarted.kv_cache.offload.describe()
+    assert stats["restored_from"]["disk"] == 10  # the run before the damaged page; the rest recomputed
+    assert stats["tiers"]["disk"]["bad_pages"] == {reason: 1}
+    assert not victim.exists() and (tmp_path / "kv" / "quarantine" / victim.name).exists()
 
 
 def test_two_engines_share_the_cache_service(server, model_dir, prompts, cold):
@@ -139,3 +154,21 @@ def test_write_through_survives_a_crash_without_any_eviction(model_dir, tmp_path
     stats = restarted.kv_cache.offload.describe()
     assert stats["restored_from"]["disk"] == len(prompts[0]) // 16
     assert stats["spilled_blocks"] == 0  # restored (and re-computed identical) blocks are not written again
+
+
+def test_a_tp2_engine_spills_and_restores_pages_that_a_tp1_engine_can_use(server, model_dir, tmp_path, prompts, cold):
+    """A TP=2 group's pages hold every KV head (joined from its ranks), so it restores its own
+    and a TP=1 engine on the same directory restores them too, each with the cold run's answer."""
+    config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
+                  kv_cache_dir=str(tmp_path / "kv"))
+    tp2 = LLMEngine(EngineConfig(**config, tensor_parallel_size=2))
+    try:
+        assert answer(tp2, "first", prompts[0]) == cold
+        evict(tp2, prompts)
+        assert answer(tp2, "again", prompts[0]) == cold
+        assert tp2.kv_cache.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
+    finally:
+        tp2.runner.shutdown()
+    tp1 = LLMEngine(EngineConfig(**config))
+    assert answer(tp1, "tp1", prompts[0]) == cold
+    assert tp1.kv_cache.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16

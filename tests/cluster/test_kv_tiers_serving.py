@@ -1,31 +1,39 @@
-"""KV tiers through the real server: a document evicted from the replica's device memory comes
-back from the shared cache service (two shards, host RAM) with the same answer, and
-`pagoda status --json` shows the tiers."""
+"""KV tiers through the real server: a document evicted from a replica's device memory comes back
+from the shared cache service (two shards, host RAM) with the same answer; a second replica (of a
+second application of the same model) finds the document there too; `pagoda status --json` shows
+the tiers."""
 
 from tests.cluster.test_disaggregated_serving import answer, deployed, grpc_request, status
 from tests.parity_prompts import DOC, DOC_B
 
 
-def test_an_evicted_document_comes_back_from_the_cache_service(server, model_dir):
+def test_an_evicted_document_comes_back_from_the_cache_service_on_either_replica(server, model_dir):
     doc = grpc_request({"prompt": DOC[:2400]}, max_tokens=8)
     others = [grpc_request({"prompt": DOC_B[i:i + 2400]}, max_tokens=8) for i in (0, 3000)]
     engine = {"num_blocks": 48, "max_num_batched_tokens": 256, "host_kv_bytes": 64 << 20, "kv_cache_service_shards": 2}
+    server = {**server, "model_dir": model_dir}
     try:
-        with deployed({**server, "model_dir": model_dir}, "pagoda-tiers", "/tiers", engine=engine) as app:
+        with deployed(server, "pagoda-tiers", "/tiers", engine=engine) as app:
             first = answer(app, doc)
             for other in others:  # need every block: the document's go down to the service
                 answer(app, other)
             again = answer(app, doc)
             (group,) = status(app)["groups"]
+            with deployed(server, "pagoda-tiers-b", "/tiers-b", engine=engine) as second_app:
+                elsewhere = answer(second_app, doc)
+                (second,) = status(second_app)["groups"]
     finally:  # the service's actors are detached (they outlive replicas): end them with the test
         import ray
 
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry["namespace"] == "pagoda" and entry["name"].startswith("kv-cache-"):
                 ray.kill(ray.get_actor(entry["name"], namespace="pagoda"))
-    assert again == first and len(first) == 8
+    assert again == first == elsewhere and len(first) == 8
     tiers = group["kv_tiers"]
     assert tiers["restored_from"]["service"] >= 30 and tiers["spilled_blocks"] >= 30
     shards = tiers["tiers"]["service"]["shards"]
     assert len(shards) == 2 and all(shard["host"]["pages"] > 0 for shard in shards)
     assert group["stats"]["kv_blocks_free"] == group["stats"]["kv_blocks_total"]
+    # the second replica computed none of the document's full blocks: the first one's pages served
+    assert second["kv_tiers"]["restored_from"]["service"] == tiers["restored_from"]["service"]
+    assert second["kv_tiers"]["spilled_blocks"] == 0 and second["replica_pid"] != group["replica_pid"]

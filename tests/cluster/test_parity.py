@@ -2,8 +2,11 @@
 concurrently, with chunked prefill forced small, with prefix-cache hits, and under preemption."""
 
 import pytest
+import torch
 
 from cluster import LLM, SamplingParams
+from model.config import ModelConfig
+from model.runner import kv_bytes_per_block
 from tests.conftest import PARITY_MAX_TOKENS
 from tests.hf_reference import check_all
 from tests.parity_prompts import parity_prompts
@@ -39,14 +42,27 @@ def test_prefix_cache_hits_match_hf(llm, encoded, references):
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preempted_requests_still_match_hf(model_dir, encoded, references, mode):
+@pytest.mark.parametrize("mode, swap_blocks", [("recompute", 0), ("swap", 1000), ("swap", 1)])
+def test_preempted_requests_still_match_hf(model_dir, encoded, references, mode, swap_blocks):
     short = [i for i, ids in enumerate(encoded) if len(ids) < 100]
     # 12 blocks of 16 tokens cannot hold every short request's context at once
-    tight = LLM(model_dir, num_blocks=12, preemption_mode=mode, enable_prefix_caching=mode == "recompute")
+    tight = LLM(model_dir, num_blocks=12, preemption_mode=mode, enable_prefix_caching=mode == "recompute",
+                swap_space_bytes=swap_blocks * block_bytes(model_dir))
     outputs = tight.generate([encoded[i] for i in short], GREEDY)
-    assert tight.engine.scheduler.num_preemptions > 0
-    # swap: every preempted request came back from host memory (no prefix cache to help it)
-    assert tight.engine.scheduler.num_swapped_in == (tight.engine.scheduler.num_preemptions if mode == "swap" else 0)
+    scheduler = tight.engine.scheduler
+    assert scheduler.num_preemptions > 0
+    if swap_blocks == 1000:  # every preempted request came back from host memory (no prefix cache to help it)
+        assert scheduler.num_swapped_in == scheduler.num_preemptions
+    elif swap_blocks == 1:  # swap space for one block: a request holding more was recomputed instead
+        assert 0 < scheduler.num_swapped_in < scheduler.num_preemptions
+    else:
+        assert scheduler.num_swapped_in == 0
     check_all([o.outputs[0].token_ids for o in outputs], [references[i] for i in short])
+    assert scheduler.num_swapped_blocks == 0
     assert tight.engine.num_free_blocks == 12
+
+
+
+def block_bytes(model_dir) -> int:
+    c = ModelConfig.from_dir(model_dir)
+    return kv_bytes_per_block(c, c.num_key_value_heads, 16, torch.float32)

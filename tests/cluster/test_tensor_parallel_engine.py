@@ -35,3 +35,18 @@ def test_tp2_ranks_hold_their_kv_heads(tp2):
     assert [r["collective"] for r in ranks] == ["deepspeed-shm"] * 2
     # its shared-memory segments are unlinked once mapped: nothing stays in /dev/shm after the group
     assert not list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_127.0.0.1_*"))
+
+
+def test_tp2_swap_preemption_gives_the_same_tokens(server, model_dir, llm):
+    """Swapped-out KV is joined from both ranks and written back to each rank's heads."""
+    prompts = PROMPTS * 2  # six requests of ~50 tokens want ~18 blocks of 12
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    tight = LLM(model_dir, tensor_parallel_size=2, num_blocks=12, preemption_mode="swap", enable_prefix_caching=False)
+    try:
+        got = [o.outputs[0].token_ids for o in tight.generate(prompts, greedy)]
+        scheduler = tight.engine.scheduler
+        assert scheduler.num_preemptions > 0 and scheduler.num_swapped_in == scheduler.num_preemptions
+        assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        assert tight.engine.num_free_blocks == 12 and scheduler.num_swapped_blocks == 0
+    finally:
+        tight.engine.runner.shutdown()
