@@ -56,6 +56,11 @@ class KVOffload:
         # it waits, so that scheduling it only copies them into device memory.
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
 
+    @property
+    def outlives_process(self) -> bool:
+        """Whether some tier keeps pages after this process ends (disk, the cache service)."""
+        return any(tier.outlives_process for tier in self.tiers)
+
     def spill(self, blocks: list[tuple[bytes, np.ndarray]]) -> None:
         """Queue evicted blocks (hash, payload copy) for the writer thread; returns at once."""
         if blocks:

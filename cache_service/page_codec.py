@@ -80,13 +80,14 @@ def read_header(data: bytes) -> tuple[bytes, dict]:
         raise PageError("bad_header", "the identity is not JSON") from None
 
 
-def decode(data: bytes, identity: dict, key: bytes | None = None) -> bytes:
+def decode(data: bytes, identity: dict, key: bytes | None = None) -> bytes | bytearray:
     """The raw payload bytes, after every check; raises PageError otherwise."""
     _, _, codec, elem, ident_len, body_len, raw_len, checksum, page_key = _unpack(data)
     ident_end = HEADER_SIZE + ident_len
     if len(data) != ident_end + body_len:
         raise PageError("truncated" if len(data) < ident_end + body_len else "length",
                         f"{len(data)} bytes, the header says {ident_end + body_len}")
+    data = memoryview(data)  # slices without copies
     header = data[:HEADER_SIZE]
     if _checksum(header, data[HEADER_SIZE:ident_end], data[ident_end:]) != checksum:
         raise PageError("checksum")
@@ -97,7 +98,7 @@ def decode(data: bytes, identity: dict, key: bytes | None = None) -> bytes:
     body = data[ident_end:]
     try:
         if codec == RAW:
-            raw = body
+            raw = bytes(body)
         elif codec in (LZ4, SHUFFLE_LZ4):
             raw = lz4.frame.decompress(body)
         else:
@@ -107,7 +108,7 @@ def decode(data: bytes, identity: dict, key: bytes | None = None) -> bytes:
     if len(raw) != raw_len:
         raise PageError("length", f"decoded {len(raw)} bytes, the header says {raw_len}")
     if codec == SHUFFLE_LZ4:
-        raw = _unshuffle(np.frombuffer(raw, np.uint8), elem).tobytes()
+        raw = _unshuffle(np.frombuffer(raw, np.uint8), elem)
     return raw
 
 
@@ -135,5 +136,11 @@ def _shuffle(raw: np.ndarray, elem: int) -> np.ndarray:
     return raw.reshape(-1, elem).T.copy() if elem > 1 else raw
 
 
-def _unshuffle(shuffled: np.ndarray, elem: int) -> np.ndarray:
-    return shuffled.reshape(elem, -1).T.copy() if elem > 1 else shuffled
+def _unshuffle(shuffled: np.ndarray, elem: int) -> bytearray:
+    """Byte planes back into elements, into a new buffer. One strided store per plane is ~3x
+    faster than a transposed copy here (it was most of a restore's time)."""
+    out = bytearray(shuffled.size)
+    elements = np.frombuffer(out, np.uint8).reshape(-1, elem)
+    for i, plane in enumerate(shuffled.reshape(elem, -1)):
+        elements[:, i] = plane
+    return out

@@ -63,6 +63,7 @@ class SharedTier:
     """The tier interface (tiers.py) over the CacheService shards, batching per shard."""
 
     name = "service"
+    outlives_process = True  # detached actors
 
     def __init__(self, shards: list):
         self.shards = shards

@@ -58,6 +58,7 @@ class TierStats:
 
 class HostTier(BatchedTier):
     name = "host"
+    outlives_process = False
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
@@ -105,6 +106,7 @@ class HostTier(BatchedTier):
 
 class DiskTier(BatchedTier):
     name = "disk"
+    outlives_process = True
     SUFFIX, TMP_SUFFIX = ".page", ".tmp"
 
     def __init__(self, directory: str | Path, capacity_bytes: int, identity: dict):

@@ -269,6 +269,21 @@ class LLMServer:
             for delta in deltas:
                 self._deliver(delta)
             self.metrics.record_engine(self.stats())
+        self._drain_kv(engine)
+
+    def _drain_kv(self, engine: LLMEngine) -> None:
+        """A planned stop (Serve stops the replica, `pagoda serve` is interrupted): the device
+        prefix cache goes down to the tiers that outlive this process, so a restart finds it."""
+        offload = engine.kv_cache.offload
+        if offload is None or not offload.outlives_process or self._worker_lost is not None:
+            return
+        start = time.monotonic()
+        try:
+            count = engine.spill_prefix_cache()
+        except Exception:  # noqa: BLE001 - a stop must not fail: the blocks are recomputed later
+            logger.exception("could not move the KV prefix cache down at shutdown")
+            return
+        logger.info("moved %d cached KV blocks down to the lower tiers in %.1f s", count, time.monotonic() - start)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -37,3 +37,21 @@ def test_an_evicted_document_comes_back_from_the_cache_service_on_either_replica
     # the second replica computed none of the document's full blocks: the first one's pages served
     assert second["kv_tiers"]["restored_from"]["service"] == tiers["restored_from"]["service"]
     assert second["kv_tiers"]["spilled_blocks"] == 0 and second["replica_pid"] != group["replica_pid"]
+
+
+def test_a_replica_stopped_by_serve_leaves_its_prefix_cache_for_the_next_one(server, model_dir, tmp_path):
+    """Nothing was evicted (device memory has room), so only the drain at a graceful stop puts
+    the document on disk; the next replica on the same directory restores it."""
+    doc = grpc_request({"prompt": DOC[:2400]}, max_tokens=8)
+    engine = {"num_blocks": 256, "disk_kv_bytes": 256 << 20, "kv_cache_dir": str(tmp_path / "kv")}
+    server = {**server, "model_dir": model_dir}
+    with deployed(server, "pagoda-drain", "/drain", engine=engine) as app:
+        first = answer(app, doc)
+        assert not list((tmp_path / "kv").glob("*.page"))
+    num_pages = len(list((tmp_path / "kv").glob("*.page")))  # serve.delete stopped the replica
+    assert num_pages >= 30
+    with deployed(server, "pagoda-drain", "/drain", engine=engine) as app:
+        again = answer(app, doc)
+        (group,) = status(app)["groups"]
+    assert again == first
+    assert group["kv_tiers"]["restored_from"]["disk"] == num_pages  # the doc's full blocks, all of them
