@@ -41,6 +41,7 @@ bench: model
 	$(BIN)/python -m benchmarks.kv_transfer
 	$(BIN)/python -m benchmarks.disaggregation
 	$(BIN)/python -m benchmarks.kv_tiers
+	$(BIN)/python -m benchmarks.kv_page_codec
 	$(BIN)/python -m benchmarks.kv_restart
 	$(BIN)/python -m benchmarks.kv_prefetch
 	$(BIN)/python -m benchmarks.kv_write_through

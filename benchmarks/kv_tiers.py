@@ -1,7 +1,8 @@
 """TTFT of a long document: recompute vs a hit in host RAM vs on disk vs on disk after a restart;
 bytes per token on disk vs raw; the byte shuffle's effect on real KV. One session, one process.
 
-    python -m benchmarks.kv_tiers [--lengths 1024,4096,8000] [--out benchmarks/results/kv_tiers.json]
+    python -m benchmarks.kv_tiers [--lengths 1024,4096,8000] [--codec shuffle-lz4|lz4|raw]
+                                  [--out benchmarks/results/kv_tiers.json]
 
 For each length: a docqa-style prompt. "recompute" is an engine without lower tiers (prefix
 caching off); for the hits the document's blocks are first moved out of device memory
@@ -39,16 +40,17 @@ def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def engine(model_dir: str, directory: Path, host: bool, disk: bool) -> LLMEngine:
+def engine(model_dir: str, directory: Path, host: bool, disk: bool, codec: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, num_blocks=600, max_num_batched_tokens=512,
                                   host_kv_bytes=(2 << 30) if host else 0, disk_kv_bytes=(8 << 30) if disk else 0,
-                                  kv_cache_dir=str(directory)))
+                                  kv_cache_dir=str(directory), kv_page_codec=codec))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="1024,4096,8000")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--codec", default="shuffle-lz4", help="kv_page_codec of the tiers")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_tiers.json"))
     args = parser.parse_args()
     model_dir = str(fetch_default_model())
@@ -61,7 +63,7 @@ def main() -> None:
         row = {"tokens": length, "recompute_s": statistics.median(ttft(cold, f"c{length}-{i}", prompt) for i in range(args.repeats))}
         for label, host, disk in (("host_hit_s", True, False), ("disk_hit_s", False, True)):
             directory = Path(tempfile.mkdtemp(prefix="pagoda-kv-"))
-            e = engine(model_dir, directory, host, disk)
+            e = engine(model_dir, directory, host, disk, args.codec)
             ttft(e, "fill", prompt)
             times = []
             for i in range(args.repeats):
@@ -76,14 +78,14 @@ def main() -> None:
                 row["lz4_ratio"] = payload.nbytes / len(page_codec.encode(bytes(16), {}, payload, page_codec.LZ4))
                 row["shuffle_lz4_ratio"] = payload.nbytes / len(page_codec.encode(bytes(16), {}, payload, page_codec.SHUFFLE_LZ4))
                 del e
-                restarted = engine(model_dir, directory, host=False, disk=True)
+                restarted = engine(model_dir, directory, host=False, disk=True, codec=args.codec)
                 row["disk_after_restart_s"] = ttft(restarted, "restart", prompt)
                 row["restored_after_restart"] = restarted.kv_cache.offload.describe()["restored_from"]["disk"]
                 del restarted
             shutil.rmtree(directory, ignore_errors=True)
         rows.append(row)
         print(json.dumps(row))
-    save_rows(args.out, rows)
+    save_rows(args.out, rows, codec=args.codec)
     print(markdown_rows(
         ["tokens", "recompute (s)", "host hit (s)", "disk hit (s)", "disk hit after restart (s)", "speed-up after restart",
          "disk bytes/token (raw)", "LZ4 ratio (shuffled)"],

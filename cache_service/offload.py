@@ -11,6 +11,7 @@ is recomputed, so a damaged page costs time, never a wrong token.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +43,7 @@ class OffloadStats:
 
 
 class KVOffload:
-    def __init__(self, tiers: list, identity: dict, codec: int = page_codec.SHUFFLE_LZ4):
+    def __init__(self, tiers: list, identity: dict, codec: int = page_codec.SHUFFLE_LZ4, decode_threads: int | None = None):
         if not tiers:
             raise ValueError("KVOffload needs at least one tier")
         self.tiers = tiers
@@ -55,6 +56,7 @@ class KVOffload:
         # Predictive prefetch: pages of a queued request's prefix are read and checked here while
         # it waits, so that scheduling it only copies them into device memory.
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
+        self._decoders = ThreadPoolExecutor(decode_threads or os.cpu_count() or 1, thread_name_prefix="kv-decode")
 
     @property
     def outlives_process(self) -> bool:
@@ -77,9 +79,12 @@ class KVOffload:
                 mine = [i for i, h in enumerate(holders) if h == t]
                 if mine:
                     pages.update(zip(mine, tier.get_many([keys[i] for i in mine])))
+            # Checking and decoding is most of a restore's time: spread it over the cores (LZ4,
+            # xxhash and numpy release the GIL); judging the results stays in order.
+            decoded = list(self._decoders.map(lambda i: self._decode(keys[i], pages.get(i)), range(len(holders))))
             payloads = []
             for i, t in enumerate(holders):
-                payload = self._check(keys[i], pages.get(i), t)
+                payload = self._accept(keys[i], pages.get(i), decoded[i], t)
                 if payload is None:
                     break
                 payloads.append(payload)
@@ -143,17 +148,23 @@ class KVOffload:
             holders.append(tier)
         return holders
 
-    def _check(self, key: bytes, page: bytes | None, t: int) -> bytes | None:
-        """The page's payload, or None when it is gone or fails its checks (rejected there)."""
+    def _decode(self, key: bytes, page: bytes | None) -> bytes | bytearray | page_codec.PageError | None:
         if page is None:
             return None
-        tier = self.tiers[t]
         try:
-            payload = page_codec.decode(page, self.identity, key)
+            return page_codec.decode(page, self.identity, key)
         except page_codec.PageError as e:
-            tier.reject(key, e.reason)
+            return e
+
+    def _accept(self, key: bytes, page: bytes | None, decoded, t: int) -> bytes | None:
+        """The page's payload, or None when it is gone or failed its checks (rejected there)."""
+        tier = self.tiers[t]
+        if decoded is None:
+            return None
+        if isinstance(decoded, page_codec.PageError):
+            tier.reject(key, decoded.reason)
             return None
         for faster in self.tiers[:t]:  # promote: the next hit is faster
             faster.put(key, page)
         self.stats.restored_from[tier.name] += 1
-        return payload
+        return decoded

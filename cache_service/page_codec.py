@@ -34,6 +34,7 @@ import xxhash
 MAGIC = b"PGKV"
 VERSION = 1
 RAW, LZ4, SHUFFLE_LZ4 = 0, 1, 2
+CODECS = {"raw": RAW, "lz4": LZ4, "shuffle-lz4": SHUFFLE_LZ4}  # by the name EngineConfig uses
 _HEADER = struct.Struct("<4sHBBIQQQ16s")  # up to and including the key
 HEADER_SIZE = _HEADER.size
 _CHECKSUM_AT = 28  # offset of the checksum inside the header

@@ -58,8 +58,12 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--kv-cache-dir", type=click.Path(file_okay=False), default=None,
               help="Directory of the disk tier (default: $PAGODA_HOME/kv-cache).")
 @click.option("--kv-write-through", is_flag=True, help="Write every KV block down once computed (a crash loses none).")
+@click.option("--preemption-mode", type=click.Choice(["recompute", "swap"]), default=None,
+              help="When device KV runs out: recompute a preempted request later, or swap its KV to host memory.")
+@click.option("--swap-space-gb", type=click.FloatRange(min=0), default=None,
+              help="Host memory for swapped-out KV (default 4); beyond it, preemption recomputes.")
 def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp,
-          device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through) -> None:
+          device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through, preemption_mode, swap_space_gb) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground; Ctrl-C stops it."""
     import signal
 
@@ -80,11 +84,14 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
         if prefill_tp:
             args.setdefault("prefill_engine", {})["tensor_parallel_size"] = prefill_tp
     gib = 1 << 30
-    for key, value in (("kv_cache_bytes", device_kv_gb), ("host_kv_bytes", host_kv_gb), ("disk_kv_bytes", disk_kv_gb)):
+    for key, value in (("kv_cache_bytes", device_kv_gb), ("host_kv_bytes", host_kv_gb), ("disk_kv_bytes", disk_kv_gb),
+                       ("swap_space_bytes", swap_space_gb)):
         if value is not None:
             engine[key] = int(value * gib)
     if kv_write_through:
         engine["kv_write_through"] = True
+    if preemption_mode:
+        engine["preemption_mode"] = preemption_mode
     if kv_cache_dir or engine.get("disk_kv_bytes"):
         from cluster.model_fetch import pagoda_home
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from cache_service import KVCacheManager
+from cache_service import KVCacheManager, page_codec
 from cache_service.offload import KVOffload
 from cache_service.tiers import build_tiers
 from cluster.engine.config import EngineConfig
@@ -291,7 +291,7 @@ class LLMEngine:
                                  config.disk_kv_bytes, config.kv_cache_dir)]
         else:
             tiers = build_tiers(identity, config.host_kv_bytes, config.disk_kv_bytes, config.kv_cache_dir)
-        return KVOffload(tiers, identity)
+        return KVOffload(tiers, identity, codec=page_codec.CODECS[config.kv_page_codec])
 
     # ---- introspection -------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ def test_generate_on_a_directory_that_is_not_a_model(tmp_path):
     (["--tp", "4"], "tensor parallel size 4 does not fit 9 query heads over 3 KV heads"),
     (["--disaggregated", "--prefill-tp", "6"], "tensor parallel size 6"),
     (["--prefill-tp", "2"], "--prefill-tp and --decode-tp need --disaggregated"),
-    (["--tp", "3", "--host-kv-gb", "1"], "the lower KV tiers need tensor_parallel_size 1"),
+    (["--preemption-mode", "swap", "--swap-space-gb", "-1"], "--swap-space-gb"),
     (["--host-kv-gb", "-1"], "--host-kv-gb"),
 ])
 def test_serve_refuses_a_bad_scale_out_shape_before_starting_anything(model_dir, args, message):
