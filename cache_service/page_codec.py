@@ -138,7 +138,7 @@ def _shuffle(raw: np.ndarray, elem: int) -> np.ndarray:
 
 
 def _unshuffle(shuffled: np.ndarray, elem: int) -> bytearray:
-    """Byte planes back into elements, into a new buffer. One strided store per plane is ~3x
+    """Byte planes back into elements, into a new buffer. One strided store per plane is ~2x
     faster than a transposed copy here (it was most of a restore's time)."""
     out = bytearray(shuffled.size)
     elements = np.frombuffer(out, np.uint8).reshape(-1, elem)
