@@ -269,6 +269,8 @@ class LLMServer:
             for delta in deltas:
                 self._deliver(delta)
             self.metrics.record_engine(self.stats())
+            if engine.kv_cache.offload is not None:
+                self.metrics.record_tiers(engine.kv_cache.offload)
         self._drain_kv(engine)
 
     def _drain_kv(self, engine: LLMEngine) -> None:

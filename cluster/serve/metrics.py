@@ -29,10 +29,18 @@ class EngineMetrics:
         self.kv_used = _gauge("pagoda_kv_blocks_used", "KV blocks holding live requests", tags)
         self.kv_free = _gauge("pagoda_kv_blocks_free", "KV blocks free (cached or empty)", tags)
         self.prefix_hit_rate = _gauge("pagoda_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", tags)
-        self.preemptions = _counter("pagoda_num_preemptions_total", "Requests preempted for lack of KV blocks", tags)
+        self.preemptions = _Total(_counter("pagoda_num_preemptions_total", "Requests preempted for lack of KV blocks", tags))
         self.prompt_tokens = _counter("pagoda_prompt_tokens_total", "Prompt tokens admitted", tags)
         self.generation_tokens = _counter("pagoda_generation_tokens_total", "Tokens generated", tags)
-        self._num_preemptions = 0
+        # The tiers below device memory (cache_service/offload.py), fed from its running totals.
+        self.kv_spilled = _Total(_counter("pagoda_kv_spilled_blocks_total", "KV blocks written down to the lower tiers", tags))
+        self.kv_restored = _Total(_counter("pagoda_kv_restored_blocks_total", "KV blocks restored from a lower tier",
+                                           tags, ("tier",)))
+        self.kv_bad_pages = _Total(_counter("pagoda_kv_bad_pages_total", "KV pages that failed their checks (quarantined)",
+                                            tags, ("tier", "reason")))
+        self.kv_prefetches = _Total(_counter("pagoda_kv_prefetches_total", "Prefetches that found pages, by outcome",
+                                             tags, ("outcome",)))
+        self.kv_tier_used = _gauge("pagoda_kv_tier_used_bytes", "Bytes held by a lower tier of this process", tags, ("tier",))
 
     def record_engine(self, stats: dict) -> None:
         self.running.set(stats["num_running"])
@@ -40,10 +48,21 @@ class EngineMetrics:
         self.kv_used.set(stats["kv_blocks_total"] - stats["kv_blocks_free"])
         self.kv_free.set(stats["kv_blocks_free"])
         self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
-        new = stats["num_preemptions"] - self._num_preemptions
-        if new > 0:
-            self.preemptions.inc(new)
-            self._num_preemptions = stats["num_preemptions"]
+        self.preemptions.update(stats["num_preemptions"])
+
+    def record_tiers(self, offload) -> None:
+        """From KVOffload's own counters (no calls to the cache service: this runs every step)."""
+        stats = offload.stats
+        self.kv_spilled.update(stats.spilled_blocks)
+        for tier, count in stats.restored_from.items():
+            self.kv_restored.update(count, {"tier": tier})
+        for outcome in ("on_time", "late", "stale"):
+            self.kv_prefetches.update(getattr(stats, f"prefetch_{outcome}"), {"outcome": outcome})
+        for tier in offload.tiers:
+            for reason, count in tier.stats.bad_pages.items():
+                self.kv_bad_pages.update(count, {"tier": tier.name, "reason": reason})
+            if hasattr(tier, "used_bytes"):  # local tiers; the service's shards report in `pagoda status`
+                self.kv_tier_used.set(tier.used_bytes, {"tier": tier.name})
 
 
 def start_gpu_telemetry(interval_s: float = 5.0) -> bool:
@@ -83,16 +102,31 @@ def start_gpu_telemetry(interval_s: float = 5.0) -> bool:
     return True
 
 
+class _Total:
+    """A Prometheus counter fed from a running total kept elsewhere: adds what is new, per tag set."""
+
+    def __init__(self, counter):
+        self.counter = counter
+        self._seen: dict[tuple, float] = {}
+
+    def update(self, total: float, tags: dict | None = None) -> None:
+        key = tuple(sorted((tags or {}).items()))
+        new = total - self._seen.get(key, 0)
+        if new > 0:
+            self.counter.inc(new, tags)
+            self._seen[key] = total
+
+
 def _histogram(name, description, tags):
     return _tagged(metrics.Histogram(name, description, boundaries=_LATENCY_BUCKETS, tag_keys=tuple(tags)), tags)
 
 
-def _gauge(name, description, tags):
-    return _tagged(metrics.Gauge(name, description, tag_keys=tuple(tags)), tags)
+def _gauge(name, description, tags, extra_tags=()):
+    return _tagged(metrics.Gauge(name, description, tag_keys=(*tags, *extra_tags)), tags)
 
 
-def _counter(name, description, tags):
-    return _tagged(metrics.Counter(name, description, tag_keys=tuple(tags)), tags)
+def _counter(name, description, tags, extra_tags=()):
+    return _tagged(metrics.Counter(name, description, tag_keys=(*tags, *extra_tags)), tags)
 
 
 def _tagged(metric, tags):

@@ -4,6 +4,7 @@ second application of the same model) finds the document there too; `pagoda stat
 the tiers."""
 
 from tests.cluster.test_disaggregated_serving import answer, deployed, grpc_request, status
+from tests.cluster.test_serving import scrape_until
 from tests.parity_prompts import DOC, DOC_B
 
 
@@ -37,6 +38,18 @@ def test_an_evicted_document_comes_back_from_the_cache_service_on_either_replica
     # the second replica computed none of the document's full blocks: the first one's pages served
     assert second["kv_tiers"]["restored_from"]["service"] == tiers["restored_from"]["service"]
     assert second["kv_tiers"]["spilled_blocks"] == 0 and second["replica_pid"] != group["replica_pid"]
+    # and Prometheus has them: blocks spilled, restored from the service, prefetches by outcome
+    restored = tiers["restored_from"]["service"]
+    scrape_until(server["metrics"], lambda text: [] if (
+        metric_value(text, "ray_pagoda_kv_restored_blocks_total", 'tier="service"') >= restored
+        and metric_value(text, "ray_pagoda_kv_spilled_blocks_total") >= tiers["spilled_blocks"]
+        and metric_value(text, "ray_pagoda_kv_prefetches_total") >= 1) else ["kv tier counters"])
+
+
+def metric_value(text: str, name: str, label: str = "") -> float:
+    """The sum of a metric's samples (every replica) whose labels contain `label`."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
 
 
 def test_a_replica_stopped_by_serve_leaves_its_prefix_cache_for_the_next_one(server, model_dir, tmp_path):

@@ -296,13 +296,18 @@ def test_prometheus_metrics_are_exported(stub, server):
         "ray_pagoda_kv_blocks_free", "ray_pagoda_prefix_cache_hit_rate", "ray_pagoda_generation_tokens_total",
         "ray_pagoda_prompt_tokens_total",
     ]
-    deadline = time.monotonic() + 40  # Ray's agent exports every few seconds
-    while True:
-        text = requests.get(server["metrics"], timeout=10).text
-        missing = [name for name in wanted if name not in text]
-        if not missing:
-            break
-        assert time.monotonic() < deadline, f"not exported: {missing}"
-        time.sleep(2)
+    text = scrape_until(server["metrics"], lambda text: [name for name in wanted if name not in text])
     generated = [line for line in text.splitlines() if line.startswith("ray_pagoda_generation_tokens_total")]
     assert float(generated[0].rsplit(" ", 1)[1]) >= 8
+
+
+def scrape_until(url: str, missing, timeout_s: float = 40) -> str:
+    """The metrics page once `missing(text)` is empty (Ray's agent exports every few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = requests.get(url, timeout=10).text
+        gaps = missing(text)
+        if not gaps:
+            return text
+        assert time.monotonic() < deadline, f"not exported: {gaps}"
+        time.sleep(2)
