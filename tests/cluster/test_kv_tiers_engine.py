@@ -3,6 +3,7 @@ device memory is restored from host RAM or from disk (also by a new engine on th
 as after a restart) instead of recomputed, and answers exactly as a cold run; a damaged page on
 disk (flipped byte, truncated, empty, bad LZ4 frame) is detected and recomputed with the same answer."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from tests.cache_service.test_page_codec import damage
+from tests.model.test_kv_transfer import run_to_end
 from tests.parity_prompts import DOC, DOC_B
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -172,3 +174,17 @@ def test_a_tp2_engine_spills_and_restores_pages_that_a_tp1_engine_can_use(server
     tp1 = LLMEngine(EngineConfig(**config))
     assert answer(tp1, "tp1", prompts[0]) == cold
     assert tp1.kv_cache.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
+
+
+def test_a_prefill_engine_exports_the_blocks_it_restored(model_dir, tmp_path, prompts, cold):
+    """Disaggregation over the tiers: the prefill side restores the document from host RAM and
+    its export (which starts at position 0) carries the restored blocks to the decode side."""
+    prefill = small_engine(model_dir, tmp_path, disk=False)
+    answer(prefill, "first", prompts[0])
+    evict(prefill, prompts)
+    prefill.add_request("doc", prompts[0], dataclasses.replace(GREEDY, max_tokens=1), export_kv=True)
+    (last,) = run_to_end(prefill)["doc"]
+    assert prefill.kv_cache.offload.describe()["restored_from"]["host"] == len(prompts[0]) // 16
+    decode = LLMEngine(EngineConfig(model=model_dir, num_blocks=64))
+    first = decode.add_request("doc", prompts[0], GREEDY, prefilled=last.prefilled)
+    assert [first[0].new_token_ids[0]] + [d.new_token_ids[0] for d in run_to_end(decode)["doc"]] == cold
