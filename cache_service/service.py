@@ -12,13 +12,18 @@ Pages travel whole and checked end to end: the engine's KVOffload verifies every
 from __future__ import annotations
 
 import hashlib
+import logging
+from typing import Callable
 
 import ray
+import ray.actor
+import ray.exceptions
 
 from cache_service import page_codec
 from cache_service.tiers import TierStats, build_tiers
 
 NAMESPACE = "pagoda"
+logger = logging.getLogger("pagoda.cache_service")
 
 
 class CacheService:
@@ -60,14 +65,22 @@ class CacheService:
 
 
 class SharedTier:
-    """The tier interface (tiers.py) over the CacheService shards, batching per shard."""
+    """The tier interface (tiers.py) over the CacheService shards, batching per shard.
+
+    A shard that fails to answer (its actor died, or it took longer than `timeout_s`) is a miss
+    for that call, never an error for the request: it is logged, counted, and the shard is looked
+    up again by name (started afresh if it is gone: its disk pages are found again from their
+    headers)."""
 
     name = "service"
     outlives_process = True  # detached actors
 
-    def __init__(self, shards: list):
-        self.shards = shards
+    def __init__(self, connect: Callable[[int], ray.actor.ActorHandle], num_shards: int, timeout_s: float = 30.0):
+        self._connect = connect
+        self.shards = [connect(k) for k in range(num_shards)]
+        self.timeout_s = timeout_s
         self.stats = TierStats()
+        self.shard_failures = 0
 
     def _by_shard(self, keys: list[bytes]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
@@ -75,20 +88,34 @@ class SharedTier:
             groups.setdefault(key[0] % len(self.shards), []).append(i)
         return groups
 
-    def _gather(self, method: str, keys: list[bytes]) -> list:
+    def _call(self, calls: dict[int, ray.ObjectRef], failed) -> dict[int, object]:
+        """Each shard's answer, or `failed` for a shard that did not give one."""
+        answers = {}
+        for s, ref in calls.items():
+            try:
+                answers[s] = ray.get(ref, timeout=self.timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                self.shard_failures += 1
+                logger.warning("KV cache service shard %d did not answer (%s); a miss, reconnecting", s, type(e).__name__)
+                self.shards[s] = self._connect(s)
+                answers[s] = failed
+        return answers
+
+    def _gather(self, method: str, keys: list[bytes], missing) -> list:
         groups = self._by_shard(keys)
-        refs = {s: getattr(self.shards[s], method).remote([keys[i] for i in idx]) for s, idx in groups.items()}
-        results: list = [None] * len(keys)
-        for s, values in zip(refs, ray.get(list(refs.values()))):
-            for i, value in zip(groups[s], values):
+        answers = self._call({s: getattr(self.shards[s], method).remote([keys[i] for i in idx])
+                              for s, idx in groups.items()}, None)
+        results: list = [missing] * len(keys)
+        for s, values in answers.items():
+            for i, value in zip(groups[s], values or [missing] * len(groups[s])):
                 results[i] = value
         return results
 
     def contains(self, keys: list[bytes]) -> list[bool]:
-        return self._gather("contains", keys) if keys else []
+        return self._gather("contains", keys, False) if keys else []
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        pages = self._gather("get", keys) if keys else []
+        pages = self._gather("get", keys, None) if keys else []
         hits = sum(p is not None for p in pages)
         self.stats.hits += hits
         self.stats.misses += len(pages) - hits
@@ -99,7 +126,8 @@ class SharedTier:
 
     def put_many(self, pages: list[tuple[bytes, bytes]]) -> int:
         groups = self._by_shard([key for key, _ in pages])
-        stored = sum(ray.get([self.shards[s].put.remote([pages[i] for i in idx]) for s, idx in groups.items()]))
+        answers = self._call({s: self.shards[s].put.remote([pages[i] for i in idx]) for s, idx in groups.items()}, 0)
+        stored = sum(answers.values())
         self.stats.puts += stored
         return stored
 
@@ -111,11 +139,12 @@ class SharedTier:
         self.shards[key[0] % len(self.shards)].reject.remote(key, reason)
 
     def describe_shards(self) -> list[dict]:
-        return ray.get([shard.describe.remote() for shard in self.shards])
+        answers = self._call({s: shard.describe.remote() for s, shard in enumerate(self.shards)}, {"error": "unavailable"})
+        return [answers[s] for s in range(len(self.shards))]
 
     def describe(self) -> dict:
-        """This engine's view (hits, misses, puts) and each shard's tiers."""
-        return {**self.stats.as_dict(), "shards": self.describe_shards()}
+        """This engine's view (hits, misses, puts, shard failures) and each shard's tiers."""
+        return {**self.stats.as_dict(), "shard_failures": self.shard_failures, "shards": self.describe_shards()}
 
 
 def shared_tier(identity: dict, num_shards: int, host_bytes: int, disk_bytes: int, directory: str | None) -> SharedTier:
@@ -123,10 +152,11 @@ def shared_tier(identity: dict, num_shards: int, host_bytes: int, disk_bytes: in
     replica, in any process of the cluster). Byte caps are split evenly across the shards."""
     tag = hashlib.sha256(page_codec.identity_bytes(identity)).hexdigest()[:12]
     actor = ray.remote(CacheService)
-    shards = []
-    for k in range(num_shards):
+
+    def connect(k: int) -> ray.actor.ActorHandle:
         shard_dir = None if directory is None else f"{directory}/shard-{k}"
-        shards.append(actor.options(name=f"kv-cache-{tag}-{k}", namespace=NAMESPACE, lifetime="detached",
-                                    get_if_exists=True, num_cpus=0).remote(
-            identity, host_bytes // num_shards, disk_bytes // num_shards, shard_dir))
-    return SharedTier(shards)
+        return actor.options(name=f"kv-cache-{tag}-{k}", namespace=NAMESPACE, lifetime="detached",
+                             get_if_exists=True, num_cpus=0).remote(
+            identity, host_bytes // num_shards, disk_bytes // num_shards, shard_dir)
+
+    return SharedTier(connect, num_shards)

@@ -188,3 +188,27 @@ def test_a_prefill_engine_exports_the_blocks_it_restored(model_dir, tmp_path, pr
     decode = LLMEngine(EngineConfig(model=model_dir, num_blocks=64))
     first = decode.add_request("doc", prompts[0], GREEDY, prefilled=last.prefilled)
     assert [first[0].new_token_ids[0]] + [d.new_token_ids[0] for d in run_to_end(decode)["doc"]] == cold
+
+
+def test_a_dead_cache_service_shard_is_a_miss_not_an_error(server, model_dir, prompts, cold):
+    """A shard killed under the engine: lookups and spills that touch it miss (logged, counted),
+    the answer stays the cold run's, and the shard is started again and used from then on."""
+    import ray
+
+    config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
+                  kv_cache_service_shards=2)
+    engine = LLMEngine(EngineConfig(**config))
+    shared = engine.kv_cache.offload.tiers[0]
+    try:
+        assert answer(engine, "first", prompts[0]) == cold
+        engine.spill_prefix_cache()
+        ray.kill(shared.shards[0])  # its host pages go with it
+        assert answer(engine, "again", prompts[0]) == cold
+        stats = shared.describe()
+        assert stats["shard_failures"] >= 1 and all("error" not in shard for shard in stats["shards"])
+        assert engine.spill_prefix_cache() > 0  # both shards take pages again
+        assert all(shard["host"]["pages"] > 0 for shard in shared.describe_shards())
+        assert engine.num_free_blocks == engine.num_blocks
+    finally:
+        for shard in shared.shards:
+            ray.kill(shard)
