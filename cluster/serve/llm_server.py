@@ -33,7 +33,7 @@ import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
-from cluster.engine.outputs import RequestDelta
+from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError, WorkerLostError
 from cluster.serve.metrics import EngineMetrics, start_gpu_telemetry
@@ -118,6 +118,7 @@ class LLMServer:
         if self.prefill_server is not None and request.params.n == 1:  # n > 1: prefilled here
             self._check_admission(request)
             prefilled = (await self.prefill_server.prefill.remote(request)).prefilled
+            await fetch_prefilled_kv(prefilled)
         async for delta in self._generate(request, arrival=now, prefilled=prefilled):
             yield delta
 
@@ -358,3 +359,16 @@ def _is_lost_worker(error: Exception) -> bool:
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
     return isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError))
+
+
+async def fetch_prefilled_kv(prefilled: PrefillResult | None) -> None:
+    """Bring a prompt's KV (object-store references) to this node before the engine takes the
+    request: a prefill replica lost in between then fails this request alone (UNAVAILABLE, retry),
+    not the decode step of every request running here."""
+    import ray
+
+    refs = [part.data for part in prefilled.kv_parts if isinstance(part.data, ray.ObjectRef)] if prefilled else []
+    try:
+        await asyncio.gather(*refs)
+    except ray.exceptions.RayError as e:
+        raise WorkerLostError(f"the prompt's KV was lost with its prefill replica ({type(e).__name__}); retry") from None

@@ -187,3 +187,33 @@ def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_and_serve_recov
         new_pids = {r["pid"] for r in groups["LLMServer"]["ranks"]}
         assert victim not in new_pids and len(new_pids) == 2
         assert all(all_blocks_free(g) for g in status(app)["groups"])
+
+
+def test_kv_lost_with_its_prefill_replica_fails_only_that_request(server):
+    """The decode side fetches a prompt's KV before its engine takes the request, so KV it cannot
+    get is that request's UNAVAILABLE error, found up front, not a failed step for every running
+    request. (A dead owner only loses the object across nodes: on one node the object store keeps
+    its copy readable. A ref whose producing process crashed stands in for it here.)"""
+    import asyncio
+
+    import numpy as np
+    import ray
+
+    from cluster.engine.outputs import PrefillResult
+    from cluster.serve.errors import WorkerLostError
+    from cluster.serve.llm_server import fetch_prefilled_kv
+    from model.kv_transfer import KVPart
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def layer_part(crash: bool):
+        if crash:
+            os._exit(1)
+        return np.ones((1024, 2, 3, 64), np.float32)
+
+    def prefilled(ref) -> PrefillResult:
+        return PrefillResult(1, None, [KVPart(0, (0, 3), (0, 1024), 1572864, "float32", ref)], None)
+
+    asyncio.run(fetch_prefilled_kv(prefilled(layer_part.remote(False))))  # fetched, no error
+    asyncio.run(fetch_prefilled_kv(None))  # finished at its first token: nothing to fetch
+    with pytest.raises(WorkerLostError, match="lost with its prefill replica"):
+        asyncio.run(fetch_prefilled_kv(prefilled(layer_part.remote(True))))
