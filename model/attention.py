@@ -142,5 +142,13 @@ class PagedAttention:
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= (
                 torch.arange(n, device=q.device)[:, None] + (ctx_len - n)
             )
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            if n <= 128:
+                # Few queries over a long context (the rest of a prompt after a prefix hit): each
+                # KV head's query heads folded into one query axis run ~2x faster on CPU than
+                # enable_gqa, which expands K and V (no gain for long chunks).
+                folded = q.reshape(self.num_kv_heads, self.group * n, self.head_dim)
+                out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(self.group, 1))
+                out = out.view(self.num_heads, n, self.head_dim)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return out.transpose(0, 1)
