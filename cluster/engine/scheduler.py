@@ -51,7 +51,6 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.swap = preemption_mode == "swap"
         self.swap_space_blocks = swap_space_blocks
-        self.num_swapped_blocks = 0  # held in host memory by preempted requests now
         self.prefetch = prefetch
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -59,6 +58,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_swapped_in = 0  # preempted requests that came back from host memory
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Blocks that preempted requests hold in host memory now (or will, after this step)."""
+        return sum(len(r.swap_out[0]) if r.swap_out else len(r.swapped[1])
+                   for r in self.waiting if r.swap_out is not None or r.swapped is not None)
 
     @property
     def num_unfinished(self) -> int:
@@ -113,7 +118,7 @@ class Scheduler:
             request.kv_import_from = num_cached
             request.kv_restore = restored
             if request.swapped is not None:
-                self._drop_swapped(request)
+                request.swapped = None  # back in device memory (restored by this step)
                 self.num_swapped_in += 1
             self.running.append(request)
             plan.scheduled.append(ScheduledRequest(request, num_new))
@@ -133,7 +138,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
-            self._drop_swapped(request)
+            request.swap_out = request.swapped = None  # its host memory goes now
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -143,7 +148,6 @@ class Scheduler:
         if self.swap and 0 < num_blocks <= self.swap_space_blocks - self.num_swapped_blocks:
             # the engine copies these before the step; without room in swap space: recompute
             request.swap_out = (self.kv_cache.block_ids(request.request_id)[:num_blocks], request.num_computed_tokens)
-            self.num_swapped_blocks += num_blocks
         self.kv_cache.free(request.request_id)
         request.kv_import = None  # its blocks are gone: it is recomputed here from the start
         request.kv_restore = []
@@ -153,8 +157,3 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _drop_swapped(self, request: Request) -> None:
-        """Its swapped-out KV is back in device memory, or no longer needed: free its host memory."""
-        if request.swap_out is not None or request.swapped is not None:
-            self.num_swapped_blocks -= len(request.swap_out[0] if request.swap_out else request.swapped[1])
-        request.swap_out = request.swapped = None
