@@ -10,7 +10,7 @@ It owns the weights and the KV cache tensors; which blocks a sequence uses is de
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +44,9 @@ class SampledToken:
 
 @dataclass(slots=True)
 class StepOutput:
-    sampled: list[SampledToken | None]  # per input sequence; None mid-prefill
+    sampled: list[SampledToken | None]  # per input sequence; None mid-prefill (or failed)
     kv_parts: list[list[KVPart]]  # per input sequence: what it exported (disaggregated prefill)
+    failed: dict[int, str] = field(default_factory=dict)  # input index -> why it got no token
 
 
 @dataclass(slots=True)
@@ -181,10 +182,14 @@ class ModelRunner:
         sampled_seqs = [i for i in step.order if seqs[i].sampling is not None]
         token_ids, logprobs = sample(logits, [seqs[i].sampling for i in sampled_seqs])
         results: list[SampledToken | None] = [None] * len(seqs)
+        failed = {}
         for i, token_id, lp in zip(sampled_seqs, token_ids, logprobs):
-            results[i] = SampledToken(token_id, lp)
+            if token_id is None:
+                failed[i] = "the model produced non-finite numbers (NaN or infinity) for this request"
+            else:
+                results[i] = SampledToken(token_id, lp)
         parts = self._exporter.finish(len(seqs)) if exports else [[] for _ in seqs]
-        return StepOutput(results, parts)
+        return StepOutput(results, parts, failed)
 
 
 def kv_bytes_per_block(config: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:

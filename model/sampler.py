@@ -4,6 +4,9 @@ Greedy rows take the argmax. Random rows are filtered in one batched pass (one s
 top-k and top-p) and then drawn one by one, each from its request's own torch.Generator, so a seeded
 request draws the same numbers whatever else shares its batch. Logprobs are the log-softmax of the
 raw logits, before temperature and filtering, as OpenAI and vLLM report them.
+
+A row whose numbers went bad (a NaN or infinite logit, probabilities that cannot be drawn from)
+gets no token: its request fails alone, and every other row is sampled as if it were not there.
 """
 
 from __future__ import annotations
@@ -13,9 +16,13 @@ from dataclasses import dataclass
 import torch
 
 
+# Temperatures below this are greedy (as in vLLM): dividing logits by less overflows float32.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingRow:
-    temperature: float  # 0 means greedy
+    temperature: float  # below GREEDY_TEMPERATURE (0 included) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no limit
     generator: torch.Generator | None = None
@@ -29,18 +36,28 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # the num_logprobs most likely tokens, most likely first
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [S, vocab] float32, one row per entry of `rows`."""
-    if any(row.temperature > 0 or row.num_logprobs is not None for row in rows):
+def is_greedy(row: SamplingRow) -> bool:
+    return row.temperature < GREEDY_TEMPERATURE
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+    """logits: [S, vocab] float32, one row per entry of `rows`. A row that cannot be sampled
+    (non-finite numbers) gets None for its token and its logprobs."""
+    if any(not is_greedy(row) or row.num_logprobs is not None for row in rows):
         logits = logits.cpu()  # seeded draws use CPU generators: the same tokens on every device
+    good = torch.isfinite(logits).all(dim=-1).tolist()
     token_ids = logits.max(dim=-1).indices  # the first maximum, as argmax; faster on CPU
-    random_rows = [i for i, row in enumerate(rows) if row.temperature > 0]
+    random_rows = [i for i, row in enumerate(rows) if not is_greedy(row) and good[i]]
     if random_rows:
         index = torch.tensor(random_rows)
         probs = _filtered_probs(logits[index], [rows[i] for i in random_rows])
+        drawable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
         for j, i in enumerate(random_rows):
-            token_ids[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
-    token_list = token_ids.tolist()
+            if drawable[j]:
+                token_ids[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+            else:
+                good[i] = False
+    token_list: list[int | None] = [t if ok else None for t, ok in zip(token_ids.tolist(), good)]
     return token_list, _logprobs(logits, token_list, rows)
 
 
@@ -65,7 +82,7 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int], rows: list[SamplingRow]) -> list[TokenLogprobs | None]:
-    wanted = [i for i, row in enumerate(rows) if row.num_logprobs is not None]
+    wanted = [i for i, row in enumerate(rows) if row.num_logprobs is not None and token_ids[i] is not None]
     result: list[TokenLogprobs | None] = [None] * len(rows)
     if not wanted:
         return result

@@ -6,11 +6,17 @@
 
 The engine owns the tokenizer, the model runner, the block manager and the scheduler. It is
 synchronous and single-threaded; the server (cluster/serve) runs its step loop in a thread.
+
+A fault belongs to the request that caused it: a request whose numbers go bad fails alone
+(finish_reason "error"), and a step that raises is run once more, then in halves until each
+failing request stands alone; only those fail. Steps that fail for every request they run, again
+and again, mean the engine itself is broken (`is_broken`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import torch
@@ -21,7 +27,7 @@ from cache_service.offload import KVOffload
 from cache_service.tiers import build_tiers
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
-from cluster.engine.errors import InvalidRequestError
+from cluster.engine.errors import InvalidRequestError, WorkerLostError
 from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.prompt import PromptEncoder
 from cluster.engine.request import FinishReason, Request, RequestStatus
@@ -31,6 +37,11 @@ from model.loader import parse_dtype
 from model.kv_transfer import KVImport
 from model.runner import ModelRunner, SampledToken, SequenceInput, StepOutput, kv_bytes_per_block
 from model.sampler import SamplingRow
+
+logger = logging.getLogger("pagoda.engine")
+
+# Steps in a row in which every request failed: then the engine, not a request, is at fault.
+BROKEN_AFTER_FAILED_STEPS = 3
 
 
 class LLMEngine:
@@ -75,6 +86,7 @@ class LLMEngine:
         self._requests: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(config.seed)
+        self.num_failed_steps_in_a_row = 0
 
     # ---- input ---------------------------------------------------------------------------
 
@@ -169,10 +181,51 @@ class LLMEngine:
             self._spill_evicted()
         if plan.is_empty:
             return []
-        deltas = self.update(plan, self.runner.execute(self.build_inputs(plan)))
+        deltas = self.update(plan, self._execute(self.build_inputs(plan)))
         if self.kv_cache.write_through:  # the blocks this step filled, now that their KV exists
             self._spill(self.kv_cache.pool.take_newly_cached())
         return deltas
+
+    @property
+    def is_broken(self) -> bool:
+        """Whether steps keep failing whatever they run: no request can succeed here any more."""
+        return self.num_failed_steps_in_a_row >= BROKEN_AFTER_FAILED_STEPS
+
+    def _execute(self, inputs: list[SequenceInput]) -> StepOutput:
+        """runner.execute, with a fault kept to the requests it belongs to: a step that raises
+        runs once more (a passing fault), then in halves down to single requests; the requests
+        that fail alone get an error in `failed`, the others their tokens. A lost worker is no
+        request's fault: it is raised."""
+        try:
+            output = self.runner.execute(inputs)
+        except WorkerLostError:
+            raise
+        except Exception:  # noqa: BLE001 - any fault: isolated below, logged once here
+            logger.exception("a step of %d requests failed; running it again, apart if it fails again", len(inputs))
+            output = StepOutput([None] * len(inputs), [[] for _ in inputs])
+            self._execute_apart(inputs, list(range(len(inputs))), output)
+        all_failed = len(output.failed) == len(inputs)
+        self.num_failed_steps_in_a_row = self.num_failed_steps_in_a_row + 1 if all_failed else 0
+        return output
+
+    def _execute_apart(self, inputs: list[SequenceInput], indices: list[int], output: StepOutput) -> None:
+        try:
+            part = self.runner.execute([inputs[i] for i in indices])
+        except WorkerLostError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if len(indices) == 1:
+                logger.error("request %d of the step fails on its own: %r", indices[0], e)
+                output.failed[indices[0]] = "the engine failed while running this request"
+                return
+            half = len(indices) // 2
+            self._execute_apart(inputs, indices[:half], output)
+            self._execute_apart(inputs, indices[half:], output)
+            return
+        for j, i in enumerate(indices):
+            output.sampled[i], output.kv_parts[i] = part.sampled[j], part.kv_parts[j]
+            if j in part.failed:
+                output.failed[i] = part.failed[j]
 
     def spill_prefix_cache(self) -> int:
         """Move every cached block that no request holds down to the lower tiers, freeing device
@@ -225,10 +278,13 @@ class LLMEngine:
         return inputs
 
     def update(self, plan: SchedulerPlan, output: StepOutput) -> list[RequestDelta]:
+        # Failed requests end first: their blocks (whose KV may be bad) are never cached.
+        deltas = [self._fail(plan.scheduled[i].request, reason) for i, reason in output.failed.items()]
         self.scheduler.update(plan)
-        deltas = []
-        for s, token, parts in zip(plan.scheduled, output.sampled, output.kv_parts):
+        for i, (s, token, parts) in enumerate(zip(plan.scheduled, output.sampled, output.kv_parts)):
             request = s.request
+            if i in output.failed:
+                continue
             if request.export_kv:
                 request.kv_parts += parts
                 request.num_exported_tokens = request.num_computed_tokens
@@ -260,6 +316,13 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             prefilled=prefilled,
         )
+
+    def _fail(self, request: Request, reason: str) -> RequestDelta:
+        self.scheduler.finish(request, FinishReason.ERROR)
+        self._generators.pop(request.request_id, None)
+        self._forget_if_done(request.parent_id)
+        return RequestDelta(request.parent_id, request.index, [], "", [], FinishReason.ERROR.value,
+                            request.num_prompt_tokens, error=reason)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.params

@@ -1,4 +1,5 @@
-"""Errors a caller can act on. The server maps InvalidRequestError to HTTP 400 / INVALID_ARGUMENT."""
+"""Errors a caller can act on. The server maps InvalidRequestError to HTTP 400 / INVALID_ARGUMENT,
+RequestFailedError to 500 / INTERNAL and WorkerLostError to 503 / UNAVAILABLE."""
 
 
 class InvalidRequestError(ValueError):
@@ -9,3 +10,13 @@ class InvalidRequestError(ValueError):
 
     def __reduce__(self):  # errors cross Ray processes: rebuild with both arguments
         return type(self), (self.field, self.message)
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (its numbers went bad, or a step running it failed
+    again and again); the requests beside it went on."""
+
+
+class WorkerLostError(RuntimeError):
+    """A worker process of the engine died: the engine cannot run again (the server replaces it);
+    retry."""

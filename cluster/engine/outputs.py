@@ -34,6 +34,7 @@ class RequestDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     prefilled: PrefillResult | None = None  # set on the last delta of a request that exported KV
+    error: str | None = None  # why the request failed (finish_reason "error")
 
     @property
     def finished(self) -> bool:

@@ -29,6 +29,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"
+    ERROR = "error"  # this request failed in the engine; the others went on
 
 
 @dataclass(eq=False)

@@ -63,10 +63,6 @@ class SamplingParams:
             "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
 
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:

@@ -22,6 +22,7 @@ import numpy as np
 import ray
 import torch
 
+from cluster.engine.errors import WorkerLostError
 from model.config import ModelConfig
 from model.runner import ModelRunner, StepOutput, kv_bytes_per_block
 from model.tp_layout import head_shard
@@ -164,12 +165,18 @@ def _join_group(rank: int, tp_size: int, init_method: str, device: str, shared_m
 
 def _get_all(refs: list) -> list:
     """ray.get of every rank's result, failing as soon as one rank fails: the others then wait
-    in a collective for the lost rank and would never answer."""
+    in a collective for the lost rank and would never answer. A rank whose process died is a
+    WorkerLostError: this group cannot run again."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
     pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)  # raises the rank's error (RayActorError when its process died)
-    return ray.get(refs)
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)  # raises the rank's error
+        return ray.get(refs)
+    except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
+        raise WorkerLostError(f"a worker of this model server died ({type(e).__name__}); retry") from e
 
 
 def _free_port() -> int:

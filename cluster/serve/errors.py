@@ -1,6 +1,6 @@
 """Errors the serving path maps to wire codes (HTTP status / gRPC status)."""
 
-from cluster.engine.errors import InvalidRequestError
+from cluster.engine.errors import InvalidRequestError, RequestFailedError, WorkerLostError  # noqa: F401 - re-exported
 
 
 class EngineOverloadedError(RuntimeError):
@@ -17,7 +17,3 @@ class RequestTooLargeError(ValueError):
 
 class UnsupportedInputError(InvalidRequestError):
     """A well-formed input this server cannot handle yet, e.g. image parts (UNIMPLEMENTED / 400)."""
-
-
-class WorkerLostError(RuntimeError):
-    """A worker actor of the engine died (503 / UNAVAILABLE): Serve replaces the replica; retry."""

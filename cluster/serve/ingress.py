@@ -25,6 +25,7 @@ from cluster.engine.prompt import PromptEncoder
 from cluster.serve import grpc_convert
 from cluster.serve.errors import (
     EngineOverloadedError,
+    RequestFailedError,
     RequestTimeoutError,
     RequestTooLargeError,
     UnsupportedInputError,
@@ -61,6 +62,8 @@ def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
         return 429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause) or "overloaded; retry later"
     if isinstance(cause, (RequestTimeoutError, TimeoutError)):
         return 504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED, str(cause) or "timed out"
+    if isinstance(cause, RequestFailedError):
+        return 500, "internal_error", grpc.StatusCode.INTERNAL, str(cause)
     if isinstance(cause, WorkerLostError):
         return 503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, str(cause)
     if isinstance(cause, (DeploymentUnavailableError, RayActorError)):

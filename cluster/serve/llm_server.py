@@ -35,7 +35,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.sampling_params import SamplingParams
-from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError, WorkerLostError
+from cluster.serve.errors import EngineOverloadedError, RequestFailedError, RequestTimeoutError, WorkerLostError
 from cluster.serve.metrics import EngineMetrics, start_gpu_telemetry
 
 logger = logging.getLogger("pagoda.llm_server")
@@ -213,6 +213,8 @@ class LLMServer:
             raise RuntimeError("the engine thread has stopped")
         if self._worker_lost is not None:
             raise RuntimeError(self._worker_lost)
+        if self.engine.is_broken:
+            raise RuntimeError("every step of the engine fails, whatever it runs")
 
     def shutdown(self) -> None:
         """Stop the engine thread and wait for it (a thread killed inside torch at interpreter
@@ -258,14 +260,14 @@ class LLMServer:
                 continue
             try:
                 deltas = engine.step()
-            except Exception as e:  # a bug must not leave callers waiting forever: fail their requests
-                if _is_lost_worker(e):  # a TP rank's process died: this engine cannot run again
-                    self._worker_lost = f"a worker of this model server died ({type(e).__name__}); retry"
-                    logger.error("%s", self._worker_lost)
-                    engine.runner.shutdown()  # the other ranks would wait in a collective forever
-                    continue
+            except WorkerLostError as e:  # a TP rank's process died: this engine cannot run again
+                self._worker_lost = str(e)
+                logger.error("%s", self._worker_lost)
+                engine.runner.shutdown()  # the other ranks would wait in a collective forever
+                continue
+            except Exception:  # not one request's fault (the engine isolates those): fail the running ones
                 logger.exception("engine step failed; failing the running requests")
-                self._fail_all(RuntimeError("the engine failed while running this request"))
+                self._fail_all(RequestFailedError("the engine failed while running this request"))
                 continue
             for delta in deltas:
                 self._deliver(delta)
@@ -329,6 +331,11 @@ class LLMServer:
         stream = self._streams.get(delta.request_id)
         if stream is None:
             return
+        if delta.error is not None:  # the request failed alone (its other candidates end with it)
+            self.engine.abort_request(delta.request_id)
+            del self._streams[delta.request_id]
+            stream.put(RequestFailedError(delta.error))
+            return
         if not stream.put(delta):
             self.engine.abort_request(delta.request_id)
             del self._streams[delta.request_id]
@@ -353,12 +360,6 @@ class LLMServer:
             m.e2e.observe(now - stream.arrival)
             if stream.num_tokens > 1:
                 m.tpot.observe((now - stream.first_token) / (stream.num_tokens - 1))
-
-
-def _is_lost_worker(error: Exception) -> bool:
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    return isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError))
 
 
 async def fetch_prefilled_kv(prefilled: PrefillResult | None) -> None:

@@ -34,3 +34,26 @@ def test_seeded_rows_draw_the_same_tokens_whatever_else_is_in_the_batch():
     seq2 = [sample(logits, [SamplingRow(1.0, generator=g2)] * 3)[0] for _ in range(5)]
     assert seq1 == seq2
     assert len({tuple(s) for s in seq1}) > 1  # the generator advances: draws are not all equal
+
+
+def test_a_row_with_non_finite_numbers_gets_no_token_and_the_others_are_unchanged():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    rows = lambda: [SamplingRow(0.0, num_logprobs=1), SamplingRow(1.0, generator=torch.Generator().manual_seed(3)),  # noqa: E731
+                    SamplingRow(0.7, generator=torch.Generator().manual_seed(4)), SamplingRow(0.0)]
+    clean_tokens, clean_logprobs = sample(logits, rows())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for victim in range(4):
+            poisoned = logits.clone()
+            poisoned[victim, 7] = bad
+            tokens, logprobs = sample(poisoned, rows())
+            assert tokens[victim] is None and logprobs[victim] is None
+            assert [t for i, t in enumerate(tokens) if i != victim] == [t for i, t in enumerate(clean_tokens) if i != victim]
+    assert clean_logprobs[0].token_id == clean_tokens[0]
+
+
+def test_a_temperature_below_epsilon_is_greedy_not_an_overflow():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5]])
+    for temperature in (1e-40, 5e-324, 1e-6):
+        tokens, _ = sample(logits, [SamplingRow(temperature, generator=torch.Generator().manual_seed(0))])
+        assert tokens == [1]
