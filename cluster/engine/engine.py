@@ -110,7 +110,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if (export_kv or prefilled) and params.n != 1:
             raise InvalidRequestError("n", "disaggregated prefill takes n = 1 only")
-        self.prompts.check(prompt_token_ids)
+        self.prompts.check(prompt_token_ids, params.max_tokens)
         eos = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )

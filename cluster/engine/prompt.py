@@ -1,11 +1,16 @@
 """PromptEncoder: text or chat messages -> token ids exactly as HF makes them, and the checks a
-prompt must pass. The engine uses it, and so does the ingress, which tokenizes before it queues."""
+prompt must pass. The engine uses it, and so does the ingress, which tokenizes before it queues.
+
+Text that cannot fit is refused before it is tokenized: no token of the vocabulary is longer than
+`longest_token_chars` characters, so a text longer than that times the context is too long
+whatever its tokens are (a 1 MB body costs a length check, not seconds of tokenizing)."""
 
 from __future__ import annotations
 
 import json
 
 from cluster.engine.errors import InvalidRequestError
+from cluster.engine.sampling_params import is_valid_unicode
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -15,12 +20,15 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        longest_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_model_len * longest_token_chars
 
     def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
         """`tokenizer(prompt)` for raw text, the chat template with a generation prompt for
         messages, or token ids as given; then `check`."""
         if messages is not None:
             check_messages(messages)
+            self._check_length("messages", sum(len(m["content"]) for m in messages))
             try:
                 encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             except Exception as e:  # a template may raise on roles or orders it does not allow
@@ -29,6 +37,9 @@ class PromptEncoder:
         elif isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
+            if not is_valid_unicode(prompt):
+                raise InvalidRequestError("prompt", "is not valid Unicode (it holds a lone surrogate)")
+            self._check_length("prompt", len(prompt))
             token_ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, list):
             token_ids = prompt
@@ -37,7 +48,14 @@ class PromptEncoder:
         self.check(token_ids)
         return token_ids
 
-    def check(self, token_ids: list[int]) -> None:
+    def _check_length(self, field: str, num_chars: int) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                field, f"has {num_chars} characters, more than a context of {self.max_model_len} tokens can hold")
+
+    def check(self, token_ids: list[int], max_tokens: int | None = None) -> None:
+        """The ids are tokens of this model and fit the context with room for max_tokens more
+        (None: at least one)."""
         if not token_ids:
             raise InvalidRequestError("prompt", "encodes to no tokens")
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
@@ -47,6 +65,12 @@ class PromptEncoder:
                 "prompt",
                 f"has {len(token_ids)} tokens; the context holds {self.max_model_len} "
                 "including at least one generated token",
+            )
+        if max_tokens is not None and len(token_ids) + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"the prompt has {len(token_ids)} tokens and max_tokens is {max_tokens}: "
+                f"{len(token_ids) + max_tokens} tokens do not fit the context of {self.max_model_len}",
             )
 
 
@@ -58,6 +82,8 @@ def check_messages(messages) -> None:
             raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
         if not isinstance(message.get("content"), str):
             raise InvalidRequestError(f"messages[{i}].content", "must be a string")
+        if not is_valid_unicode(message["content"]):
+            raise InvalidRequestError(f"messages[{i}].content", "is not valid Unicode (it holds a lone surrogate)")
 
 
 def read_prompt_records(lines) -> list[dict]:

@@ -101,6 +101,7 @@ class Request:
             self.finish_reason = FinishReason.STOP
         elif token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             self.finish_reason = FinishReason.STOP
-        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
+        elif (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens) \
+                or self.num_tokens >= self.max_model_len:
             self.finish_reason = FinishReason.LENGTH
         return self.detokenizer.take_new_text(final=self.finish_reason is not None)

@@ -13,7 +13,7 @@ MAX_LOGPROBS = 20
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the model's context is full
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no limit
@@ -29,7 +29,7 @@ class SamplingParams:
             self.stop = [self.stop]
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}",
         )
         _check(
@@ -51,8 +51,8 @@ class SamplingParams:
             "seed", f"must be a non-negative integer, got {self.seed!r}",
         )
         _check(
-            all(isinstance(s, str) and s for s in self.stop),
-            "stop", "must be non-empty strings",
+            all(isinstance(s, str) and s and is_valid_unicode(s) for s in self.stop),
+            "stop", "must be non-empty strings of valid Unicode",
         )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -62,6 +62,15 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
+
+
+def is_valid_unicode(text: str) -> bool:
+    """False for text that no UTF-8 can carry (a lone surrogate such as the JSON escape \\ud800)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

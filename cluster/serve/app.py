@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 from cluster.serve.ingress import Ingress, build_fastapi_app
+from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import LLMServer
 
 GRPC_SERVICER = "cluster.serve.grpc_servicer.add_inference_servicer"
@@ -47,6 +48,13 @@ class DeploymentOptions(BaseModel):
     def as_kwargs(self) -> dict:
         return self.model_dump(exclude_none=True)
 
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas this deployment can have: its count, or its autoscaling maximum."""
+        if isinstance(self.num_replicas, int):
+            return self.num_replicas
+        return int((self.autoscaling_config or {}).get("max_replicas", 1))
+
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -54,6 +62,7 @@ class AppConfig(BaseModel):
     model: str | None = Field(None, description="HF model directory; default: the fetched default model")
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options")
     max_waiting_requests: int = Field(256, ge=1, description="beyond this, new requests get 429 / RESOURCE_EXHAUSTED")
+    limits: InputLimits = Field(default_factory=InputLimits, description="what one request may ask for")
     request_timeout_s: float | None = Field(600.0, gt=0, description="server-side deadline of a request")
     torch_threads: int | None = Field(None, description="torch threads of the engine (default: all CPUs of the node)")
     llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
@@ -107,7 +116,10 @@ def build_app(args: dict | None = None):
     llm_server = serve.deployment(LLMServer, name="LLMServer", **decode_options).bind(
         engine_config=decode_engine, prefill_server=prefill_server, **common)
     ingress_cls = serve.ingress(build_fastapi_app)(Ingress)
-    return serve.deployment(ingress_cls, name="Ingress", **config.ingress.as_kwargs()).bind(llm_server)
+    # The ingress refuses at once what every server replica would refuse: their queues together.
+    max_pending = config.max_waiting_requests * config.llm_server.max_replicas
+    return serve.deployment(ingress_cls, name="Ingress", **config.ingress.as_kwargs()).bind(
+        llm_server, limits=config.limits.model_dump(), max_pending_requests=max_pending)
 
 
 def _parse_cli_args(args: dict) -> dict:

@@ -17,3 +17,7 @@ class RequestTooLargeError(ValueError):
 
 class UnsupportedInputError(InvalidRequestError):
     """A well-formed input this server cannot handle yet, e.g. image parts (UNIMPLEMENTED / 400)."""
+
+
+class UnsupportedMediaTypeError(ValueError):
+    """The HTTP body is not JSON (415)."""

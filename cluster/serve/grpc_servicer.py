@@ -13,15 +13,37 @@ The fix: the proxy's generator runs in a task of its own that only ever waits on
 the handler grpc sees reads from a queue. Whatever way grpc stops the handler, the handler's
 `finally` cancels that task while it waits on the replica, which the proxy does handle: it
 cancels the replica call, and the Ingress and the LLMServer abort.
+
+Bytes that do not parse as the method's request message: grpc runs the registered deserializer
+before any handler, and the generated one raises, which grpc answers UNKNOWN with the Python class
+name. The proxy keeps the deserializer it is given, so Pagoda registers its own (from the service
+descriptor): a message that does not parse becomes an UndecodableRequest, which the handler
+answers INVALID_ARGUMENT with a plain message, without calling a replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
+from google.protobuf.message import DecodeError
+
+from protos import inference_pb2 as pb
 from protos.inference_pb2_grpc import add_InferenceServicer_to_server
 
 _END = object()
+SERVICE = pb.DESCRIPTOR.services_by_name["Inference"]
+
+
+class UndecodableRequest:
+    """A request whose bytes did not parse as `message` (a full protobuf name)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    @property
+    def details(self) -> str:
+        return f"the request is not a valid {self.message} message: its bytes do not parse"
 
 
 def add_inference_servicer(servicer, server) -> None:
@@ -34,15 +56,57 @@ def add_inference_servicer(servicer, server) -> None:
 
     def make_cancellable_handler(service_method, streaming_type):
         handler = make_handler(service_method=service_method, streaming_type=streaming_type)
-        if streaming_type.name != "UNARY_STREAM":
-            return handler
-        return _cancel_replica_call_when_grpc_stops(handler)
+        if streaming_type.name == "UNARY_STREAM":
+            return _refuse_undecodable_stream(_cancel_replica_call_when_grpc_stops(handler))
+        if streaming_type.name == "UNARY_UNARY":
+            return _refuse_undecodable_unary(handler)
+        return handler
 
     server.service_handler_factory = make_cancellable_handler
     try:
-        add_InferenceServicer_to_server(servicer, server)
+        _add_lenient_servicer(servicer, server)
     finally:
         server.service_handler_factory = make_handler
+
+
+def _add_lenient_servicer(servicer, server) -> None:
+    """add_InferenceServicer_to_server, with deserializers that turn bad bytes into UndecodableRequest."""
+    handlers = {}
+    for method in SERVICE.methods:
+        request_cls, response_cls = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_lenient(request_cls),
+                                     response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+
+
+def _lenient(message_cls):
+    def deserialize(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError:
+            return UndecodableRequest(message_cls.DESCRIPTOR.full_name)
+
+    return deserialize
+
+
+def _refuse_undecodable_unary(handler):
+    async def unary_unary(request, context):
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+        return await handler(request, context)
+
+    return unary_unary
+
+
+def _refuse_undecodable_stream(handler):
+    async def unary_stream(request, context):
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+        await handler(request, context)
+
+    return unary_stream
 
 
 def _cancel_replica_call_when_grpc_stops(handler):

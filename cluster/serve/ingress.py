@@ -6,10 +6,17 @@ OpenAI routes (FastAPI) share one path:
 
 Errors are mapped in one table (`_error_kind`) to HTTP status + OpenAI error JSON and to gRPC
 status codes; a client never sees a stack trace.
+
+Work is refused in order of cost: the queue bound first (a request over it gets 429 before its
+body is parsed or tokenized), then size, JSON depth and the limits (cluster/serve/limits.py), then
+tokenizing, which runs on a thread of its own so that no body stalls the event loop that answers
+everyone else (a fast tokenizer is not safe to share between threads, hence one).
 """
 
 # No `from __future__ import annotations` here: FastAPI must see real types on the route methods.
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import logging
 import uuid
@@ -29,8 +36,10 @@ from cluster.serve.errors import (
     RequestTimeoutError,
     RequestTooLargeError,
     UnsupportedInputError,
+    UnsupportedMediaTypeError,
     WorkerLostError,
 )
+from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
@@ -43,8 +52,9 @@ from protos import inference_pb2 as pb
 
 logger = logging.getLogger("pagoda.ingress")
 
-# Serve's gRPC proxy accepts large messages; Pagoda caps a request (images come later) here.
-MAX_GRPC_REQUEST_BYTES = 4 << 20
+# curl -d sends form-urlencoded and text/plain is what some clients send with a JSON body: both are
+# read as JSON, as vLLM and OpenAI do; anything else (a multipart upload, XML) is 415.
+JSON_CONTENT_TYPES = ("application/json", "application/x-www-form-urlencoded", "text/plain", "")
 
 def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
     """(HTTP status, OpenAI error type, gRPC code, message) for an exception."""
@@ -54,6 +64,8 @@ def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
     cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the original as .cause
     if isinstance(cause, RequestTooLargeError):
         return 413, "invalid_request_error", grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause)
+    if isinstance(cause, UnsupportedMediaTypeError):
+        return 415, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, str(cause)
     if isinstance(cause, UnsupportedInputError):
         return 400, "invalid_request_error", grpc.StatusCode.UNIMPLEMENTED, str(cause)
     if isinstance(cause, (InvalidRequestError, ValidationError)):
@@ -78,9 +90,16 @@ def _field(exc: BaseException) -> str | None:
 
 
 class Ingress:
-    def __init__(self, llm_server, model_name: str | None = None):
+    def __init__(self, llm_server, model_name: str | None = None, limits: dict | None = None,
+                 max_pending_requests: int = 256):
         self.llm = llm_server  # DeploymentHandle to LLMServer
         self.model_name = model_name
+        self.limits = InputLimits.model_validate(limits or {})
+        # Requests of this replica not yet streaming (tokenizing, in transit, queued in an engine):
+        # beyond the bound, refused at once, before any work is spent on them.
+        self.max_pending_requests = max_pending_requests
+        self.num_pending_requests = 0
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._encoder: PromptEncoder | None = None
         self._info: dict | None = None
         self._init_lock = asyncio.Lock()
@@ -97,11 +116,27 @@ class Ingress:
                     self._encoder = PromptEncoder(tokenizer, info["vocab_size"], info["max_model_len"])
         return self._encoder
 
+    @contextlib.contextmanager
+    def _admission(self):
+        """Holds a place among this replica's pending requests until the first delta (or an
+        error); raises EngineOverloadedError at once when there is none."""
+        if self.num_pending_requests >= self.max_pending_requests:
+            raise EngineOverloadedError(f"more than {self.max_pending_requests} requests are waiting; retry later")
+        self.num_pending_requests += 1
+        try:
+            yield
+        finally:
+            self.num_pending_requests -= 1
+
     async def _submit(self, prompt, messages, params, timeout_s: float | None = None):
-        """Validate, tokenize, and start streaming deltas. The first delta is awaited here, so
-        errors that happen before any output (overload, bad input) raise before a response starts."""
+        """Check the limits, tokenize, and start streaming deltas. The first delta is awaited here,
+        so errors that happen before any output (overload, bad input) raise before a response
+        starts. The caller holds an `_admission` place."""
         encoder = await self._ready()
-        token_ids = encoder.encode(prompt, messages)
+        self.limits.check(params, messages)
+        token_ids = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, encoder.encode, prompt, messages)
+        encoder.check(token_ids, params.max_tokens)
         request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s)
         deltas = _cancel_when_abandoned(self.llm.options(stream=True).generate.remote(request))
         # After a last delta the stream simply ends, so callers iterate `deltas` as is.
@@ -111,13 +146,11 @@ class Ingress:
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context):
         try:
-            if request.ByteSize() > MAX_GRPC_REQUEST_BYTES:
-                raise RequestTooLargeError(
-                    f"the request is {request.ByteSize()} bytes; the cap is {MAX_GRPC_REQUEST_BYTES} bytes"
-                )
-            prompt, messages = grpc_convert.prompt_or_messages(request)
-            params = grpc_convert.sampling_params(request.sampling)
-            first, deltas = await self._submit(prompt, messages, params)
+            with self._admission():
+                self._check_size(request.ByteSize())
+                prompt, messages = grpc_convert.prompt_or_messages(request)
+                params = grpc_convert.sampling_params(request.sampling)
+                first, deltas = await self._submit(prompt, messages, params)
         except Exception as e:
             self._set_grpc_error(grpc_context, e)
             raise
@@ -139,6 +172,10 @@ class Ingress:
             return pb.HealthResponse(healthy=True, status="ok")
         except Exception as e:  # the proxy must get an answer, not an error
             return pb.HealthResponse(healthy=False, status=_error_kind(e)[3])
+
+    def _check_size(self, num_bytes: int) -> None:
+        if num_bytes > self.limits.max_request_bytes:
+            raise RequestTooLargeError(f"the request is {num_bytes} bytes; the cap is {self.limits.max_request_bytes} bytes")
 
     @staticmethod
     def _set_grpc_error(grpc_context, exc: BaseException) -> None:
@@ -193,20 +230,18 @@ class Ingress:
             status, kind_name, _, message = _error_kind(e)
             return _http_error(status, message, kind_name)
         try:
-            body = json.loads(await raw.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _http_error(400, f"the body is not valid JSON: {e}", "invalid_request_error")
-        try:
-            request = model_cls.model_validate(body)
-            prompt, messages, params, want_logprobs = self._openai_inputs(request, kind)
-            first, deltas = await self._submit(prompt, messages, params)
+            with self._admission():
+                body = await self._read_json(raw)
+                request = model_cls.model_validate(body)
+                prompt, messages, params, want_logprobs = self._openai_inputs(request, kind)
+                first, deltas = await self._submit(prompt, messages, params)
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"])
             return _http_error(400, f"{param}: {err['msg']}", "invalid_request_error", param)
         except Exception as e:
             status, kind_name, _, message = _error_kind(e)
-            headers = {"Retry-After": "1"} if status == 429 else None
+            headers = {"Retry-After": "1"} if status in (429, 503) else None
             return _http_error(status, message, kind_name, _field(e), headers)
         builder = ResponseBuilder(kind, self.model_name, params.n, self._decode_token)
         if request.stream:
@@ -223,6 +258,27 @@ class Ingress:
             status, kind_name, _, message = _error_kind(e)
             return _http_error(status, message, kind_name)
         return builder.final(want_logprobs)
+
+    async def _read_json(self, raw: Request):
+        """The body as JSON, read only up to the size cap; errors name what is wrong."""
+        content_type = raw.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if content_type not in JSON_CONTENT_TYPES:
+            raise UnsupportedMediaTypeError(f"the body must be JSON (content-type application/json), got {content_type}")
+        length = raw.headers.get("content-length")
+        if length is not None and length.isdigit():
+            self._check_size(int(length))
+        body = bytearray()
+        async for chunk in raw.stream():
+            body += chunk
+            self._check_size(len(body))
+        try:
+            parsed = json.loads(body)
+        except RecursionError:
+            raise InvalidRequestError("body", f"the JSON is nested deeper than {self.limits.max_json_depth} levels") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidRequestError("body", f"the body is not valid JSON: {e}") from None
+        self.limits.check_json_depth(parsed)
+        return parsed
 
     def _openai_inputs(self, request, kind: str):
         if kind == "completion":
@@ -243,7 +299,7 @@ class Ingress:
             request.max_tokens = request.max_completion_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         # Chat answers run until EOS by default, bounded by the context like OpenAI's API.
-        params = sampling_params(request, self._info["max_model_len"], logprobs)
+        params = sampling_params(request, None, logprobs)
         return None, messages, params, request.logprobs
 
     def _decode_token(self, token_id: int) -> str:
@@ -293,7 +349,26 @@ def build_fastapi_app() -> FastAPI:
     app object through Ray's pickling."""
     from ray import serve
 
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
     app = FastAPI(title="Pagoda", description="OpenAI-compatible API of Pagoda")
+
+    # Errors that FastAPI and Starlette answer themselves (no such route, wrong method) are OpenAI
+    # error JSON too, like every other error.
+    @app.exception_handler(HTTPException)
+    async def http_exception(_, exc: HTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return _http_error(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_exception(_, exc: RequestValidationError):
+        return _http_error(422, str(exc.errors()[0].get("msg", "invalid request")), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def unexpected_exception(_, exc: Exception):
+        status, kind, _, message = _error_kind(exc)
+        return _http_error(status, message, kind)
 
     def ingress() -> Ingress:
         return serve.get_replica_context().servable_object

@@ -137,7 +137,7 @@ class LLMServer:
         # The inbox is a fair count of what the engine thread has not taken yet.
         if self._inbox.qsize() + len(self.engine.scheduler.waiting) >= self.max_waiting_requests:
             raise EngineOverloadedError(f"more than {self.max_waiting_requests} requests are waiting; retry later")
-        self.engine.prompts.check(request.prompt_token_ids)
+        self.engine.prompts.check(request.prompt_token_ids, request.params.max_tokens)
 
     async def _generate(self, request: GenerationRequest, arrival: float, export_kv: bool = False, prefilled=None):
         self._check_admission(request)

@@ -56,7 +56,8 @@ class ChatCompletionRequest(_CommonRequest):
     top_logprobs: int | None = None
 
 
-def sampling_params(request: _CommonRequest, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(request: _CommonRequest, default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """default_max_tokens None: until the context is full."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return SamplingParams(
         n=request.n,
