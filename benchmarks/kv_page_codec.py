@@ -1,6 +1,6 @@
 """How fast pages are made and read back, on real KV of the default model: encode and decode
 speed and size ratio per codec (RAW, LZ4, byte-shuffled LZ4), the two ways of undoing the shuffle,
-and a whole restore (KVOffload.load_prefix from a disk tier: read, checksum, decode), one thread
+and a whole restore (KVOffload.load_blocks from a disk tier: read, checksum, decode), one thread
 against the decode pool.
 
     python -m benchmarks.kv_page_codec [--blocks 64] [--out benchmarks/results/kv_page_codec.json]
@@ -80,7 +80,7 @@ def main() -> None:
             [(k, page_codec.encode(k, IDENTITY, b)) for k, b in zip(keys, blocks)])
         for threads in (1, os.cpu_count()):
             offload = KVOffload([DiskTier(directory, 1 << 34, IDENTITY)], IDENTITY, decode_threads=threads)
-            seconds = best_of(args.repeats, lambda: offload.load_prefix(keys))
+            seconds = best_of(args.repeats, lambda: offload.load_blocks(keys))
             rows.append({"what": f"restore from disk, {threads} decode thread(s)", "decode_MBps": raw_bytes / seconds / 1e6})
     for row in rows:
         print(json.dumps(row))

@@ -7,6 +7,11 @@
 A freed block keeps its contents and its hash, so a later request with the same prefix can take it
 back (`touch`) until it is handed out for something else; the free queue hands out the least
 recently freed block first. Ref counts let many requests share one cached block.
+
+With lower tiers, the pool also says which blocks to copy down (`take_evicted`, `take_to_store`):
+a cached block when it is evicted, and before that, once, when a prefix hit first shares it (a
+system prompt is shared by every chat and so never evicted; a crash or a new replica must still
+find it below) or, with write-through, as soon as it is cached.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class Block:
     # The token ids the block holds once it is full and cached: a hit compares them, so a hash
     # collision can never serve the wrong page.
     token_ids: tuple[int, ...] | None = None
+    stored_below: bool = False  # its contents were handed to the lower tiers (reset when evicted)
 
 
 @dataclass(slots=True)
@@ -40,7 +46,7 @@ class PrefixCacheStats:
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, record_evictions: bool = False,
-                 record_cached: bool = False):
+                 record_shared: bool = False, record_cached: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -54,9 +60,11 @@ class BlockPool:
         # take_evicted(); the engine copies them down before the step overwrites them.
         self.record_evictions = record_evictions
         self._evicted: list[tuple[int, BlockHash]] = []
-        # Write-through: blocks newly registered as cached, for the engine to copy down at once.
+        # Blocks for the engine to copy down now: cached blocks on their first hit (record_shared),
+        # every block as it is cached (record_cached: write-through).
+        self.record_shared = record_shared
         self.record_cached = record_cached
-        self._newly_cached: list[tuple[int, BlockHash]] = []
+        self._to_store: list[tuple[int, BlockHash]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,8 +95,9 @@ class BlockPool:
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
+            stored_below = block.stored_below
             evicted = self._evict(block)
-            if evicted is not None and self.record_evictions:
+            if evicted is not None and self.record_evictions and not stored_below:
                 self._evicted.append((block_id, evicted))
             block.ref_cnt = 1
             blocks.append(block)
@@ -100,6 +109,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
+            if self.record_shared:
+                self._store(block)
 
     def free(self, blocks: list[Block]) -> None:
         """Drop a reference. Pass a request's blocks tail first: the tail of a prefix is then
@@ -122,12 +133,19 @@ class BlockPool:
         block.token_ids = token_ids
         self._cached[block_hash] = block.block_id
         if self.record_cached:
-            self._newly_cached.append((block.block_id, block_hash))
+            self._store(block)
 
-    def take_newly_cached(self) -> list[tuple[int, BlockHash]]:
-        """(block id, hash) of the blocks cached since the last call (write-through)."""
-        cached, self._newly_cached = self._newly_cached, []
-        return cached
+    def _store(self, block: Block) -> None:
+        if not block.stored_below and block.block_hash is not None:
+            block.stored_below = True
+            self._to_store.append((block.block_id, block.block_hash))
+
+    def take_to_store(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the cached blocks to copy down since the last call: first shared
+        ones, and with write-through every newly cached one. Each block once while it holds its
+        contents (an eviction then does not copy it again)."""
+        blocks, self._to_store = self._to_store, []
+        return blocks
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
@@ -145,6 +163,7 @@ class BlockPool:
             return None
         block.block_hash = None
         block.token_ids = None
+        block.stored_below = False
         if self._cached.get(block_hash) == block.block_id:
             del self._cached[block_hash]
             self.stats.num_evicted_blocks += 1

@@ -5,6 +5,11 @@ The scheduler asks three things of it, each a pure bookkeeping step:
   allocate_slots(id, num_tokens, cached) -> bool: hold enough blocks for num_tokens, or change nothing
   cache_full_blocks(id, tokens, num_computed) after a step, so later requests can hit them
 and free(id) when a request ends or is preempted.
+
+With lower tiers it also holds, per request, the pages loaded for blocks after its device hit
+(`load_offloaded`), until the scheduler takes each run of them (`restorable_run`, `take_restored`)
+for the step that installs it; a block no tier had is a hole the request computes, and the runs
+after a hole are restored all the same.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ class _RequestBlocks:
     # until the request is admitted (it may wait for device blocks over several steps).
     prefetch: tuple[int, Future] | None = None
     prefetch_taken: bool = False
+    # Loaded pages not yet installed: block index -> payload.
+    restore: dict[int, bytes] = field(default_factory=dict)
 
 
 class KVCacheManager:
@@ -46,8 +53,8 @@ class KVCacheManager:
         # Evicted blocks go down when they leave device memory, or (write-through) every block as
         # soon as it is full and computed, so that a crash loses none.
         self.write_through = offload is not None and write_through
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_evictions=offload is not None and not write_through,
-                              record_cached=self.write_through)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_evictions=offload is not None,
+                              record_shared=offload is not None, record_cached=self.write_through)
         self._requests: dict[str, _RequestBlocks] = {}
 
     @property
@@ -106,31 +113,54 @@ class KVCacheManager:
         entry = self._requests[request_id]
         entry.prefetch = (len(cached), self.offload.prefetch(entry.hashes[len(cached):]))
 
-    def load_offloaded_prefix(self, request_id: str, num_device_blocks: int) -> list[bytes]:
-        """After `find_cached_prefix` found `num_device_blocks` in device memory: the payloads of
-        the blocks right after them that a lower tier holds (leading run only, checked), from
-        the request's prefetch when it started at the same block."""
+    def load_offloaded(self, request_id: str, num_device_blocks: int) -> None:
+        """After `find_cached_prefix` found `num_device_blocks` in device memory: load the pages
+        that the lower tiers hold of the blocks after them (checked), from the request's
+        prefetch when it started at the same block, and hold them for `restorable_run`."""
         entry = self._requests.get(request_id)
         if self.offload is None or entry is None or not self.pool.enable_prefix_caching:
-            return []
+            return
         if entry.prefetch is not None and entry.prefetch[0] == num_device_blocks:
             future = entry.prefetch[1]
-            if entry.prefetch_taken:  # an earlier attempt to admit it ran out of blocks
-                return future.result()
-            entry.prefetch_taken = True
-            return self.offload.take_prefetched(future)
-        if entry.prefetch is not None:
-            self.offload.stats.prefetch_stale += 1
-        loaded = Future()
-        loaded.set_result(self.offload.load_now(entry.hashes[num_device_blocks:]))
-        entry.prefetch, entry.prefetch_taken = (num_device_blocks, loaded), True
-        return loaded.result()
+            # an earlier attempt to admit it may have taken it already (it ran out of blocks)
+            payloads = future.result() if entry.prefetch_taken else self.offload.take_prefetched(future)
+        else:
+            if entry.prefetch is not None:
+                self.offload.stats.prefetch_stale += 1
+            payloads = self.offload.load_now(entry.hashes[num_device_blocks:])
+            future = Future()
+            future.set_result(payloads)
+        entry.prefetch, entry.prefetch_taken = (num_device_blocks, future), True
+        entry.restore = {num_device_blocks + i: p for i, p in enumerate(payloads) if p is not None}
 
-    def drop_loaded(self, request_id: str) -> None:
-        """The request was admitted with its pages: they are the engine's to write now."""
+    def hold_restore(self, request_id: str, pages: dict[int, bytes]) -> None:
+        """Pages of the request's blocks from elsewhere (a swap copy): block index -> payload."""
+        self._requests[request_id].restore = dict(pages)
+
+    def restorable_run(self, request_id: str, num_computed_tokens: int) -> list[tuple[int, bytes]]:
+        """(block index, payload) of the loaded pages that continue the request from
+        num_computed_tokens without a gap; empty unless that is a block boundary."""
         entry = self._requests.get(request_id)
-        if entry is not None:
-            entry.prefetch = None
+        if entry is None or not entry.restore or num_computed_tokens % self.block_size:
+            return []
+        run, index = [], num_computed_tokens // self.block_size
+        while index in entry.restore:
+            run.append((index, entry.restore[index]))
+            index += 1
+        return run
+
+    def next_restorable_token(self, request_id: str, num_tokens: int) -> int | None:
+        """The first token at or after num_tokens that a loaded page covers (where computing stops)."""
+        entry = self._requests.get(request_id)
+        starts = [i * self.block_size for i in entry.restore if i * self.block_size >= num_tokens] if entry else []
+        return min(starts, default=None)
+
+    def take_restored(self, request_id: str, run: list[tuple[int, bytes]]) -> None:
+        """The step that installs `run` was planned: the pages are the engine's now."""
+        entry = self._requests[request_id]
+        for index, _ in run:
+            del entry.restore[index]
+        entry.prefetch = None
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup once its request is admitted (a request may be looked up again while

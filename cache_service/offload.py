@@ -1,12 +1,14 @@
 """KVOffload: the engine's link to the tiers below device memory.
 
     device block evicted ──spill──> [writer thread: encode page (shuffle+LZ4, checksum)] ──> every tier
-    request arrives ──prefetch(hashes)──> [prefetch thread: load_prefix] ──> payloads in host memory
-    request admitted ──take_prefetched (or load_prefix)──> payloads written into new device blocks
+    request arrives ──prefetch(hashes)──> [prefetch thread: load_blocks] ──> payloads in host memory
+    request admitted ──take_prefetched (or load_now)──> payloads written into new device blocks
 
 Spills are written through to every tier (host for speed, disk to survive a restart), each tier
-keeping its own cap by LRU. A page that fails its checks ends the restored prefix there: the rest
-is recomputed, so a damaged page costs time, never a wrong token.
+keeping its own cap by LRU. Every block of a prompt is looked up, not only a leading run: a block
+missing from every tier, or a page that fails its checks, is a hole that the engine recomputes,
+and the blocks after it are still restored. A damaged page costs one block's time, never a wrong
+token.
 """
 
 from __future__ import annotations
@@ -69,11 +71,11 @@ class KVOffload:
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(self._writer.submit(self._write, blocks))
 
-    def load_prefix(self, keys: list[bytes]) -> list[bytes]:
-        """Payloads of the leading `keys` found in a tier, up to the first one missing or bad.
+    def load_blocks(self, keys: list[bytes]) -> list[bytes | None]:
+        """The payload of each key's page, None where no tier holds it or its page is bad.
         One `contains` and one `get_many` per tier, whatever the number of keys."""
         with self._lock:
-            holders = self._first_holders(keys)
+            holders = self._holders(keys)
             pages: dict[int, bytes | None] = {}
             for t, tier in enumerate(self.tiers):
                 mine = [i for i, h in enumerate(holders) if h == t]
@@ -81,38 +83,35 @@ class KVOffload:
                     pages.update(zip(mine, tier.get_many([keys[i] for i in mine])))
             # Checking and decoding is most of a restore's time: spread it over the cores (LZ4,
             # xxhash and numpy release the GIL); judging the results stays in order.
-            decoded = list(self._decoders.map(lambda i: self._decode(keys[i], pages.get(i)), range(len(holders))))
-            payloads = []
-            for i, t in enumerate(holders):
-                payload = self._accept(keys[i], pages.get(i), decoded[i], t)
-                if payload is None:
-                    break
-                payloads.append(payload)
-        self.stats.restored_blocks += len(payloads)
+            found = list(pages)
+            decoded = dict(zip(found, self._decoders.map(lambda i: self._decode(keys[i], pages[i]), found)))
+            payloads = [self._accept(keys[i], pages[i], decoded[i], t) if t is not None else None
+                        for i, t in enumerate(holders)]
+        self.stats.restored_blocks += sum(p is not None for p in payloads)
         return payloads
 
     def prefetch(self, keys: list[bytes]) -> Future:
-        """Start loading the leading `keys` (load_prefix in the background); see take_prefetched."""
-        return self._prefetcher.submit(self.load_prefix, keys)
+        """Start loading `keys` (load_blocks in the background); see take_prefetched."""
+        return self._prefetcher.submit(self.load_blocks, keys)
 
-    def take_prefetched(self, future: Future) -> list[bytes]:
+    def take_prefetched(self, future: Future) -> list[bytes | None]:
         """A prefetch's payloads. One that found pages counts as on time when it had finished,
         late when the scheduler has to wait for it here."""
         on_time = future.done()
         start = time.perf_counter()
         payloads = future.result()
         self.stats.restore_wait_s += time.perf_counter() - start
-        if payloads:
+        if any(p is not None for p in payloads):
             if on_time:
                 self.stats.prefetch_on_time += 1
             else:
                 self.stats.prefetch_late += 1
         return payloads
 
-    def load_now(self, keys: list[bytes]) -> list[bytes]:
-        """load_prefix on the caller's thread (no prefetch was usable), timed as waiting."""
+    def load_now(self, keys: list[bytes]) -> list[bytes | None]:
+        """load_blocks on the caller's thread (no prefetch was usable), timed as waiting."""
         start = time.perf_counter()
-        payloads = self.load_prefix(keys)
+        payloads = self.load_blocks(keys)
         self.stats.restore_wait_s += time.perf_counter() - start
         return payloads
 
@@ -137,16 +136,10 @@ class KVOffload:
         self.stats.spilled_blocks += len(pages)
         self.stats.failed_spills += len(pages) - max(stored)
 
-    def _first_holders(self, keys: list[bytes]) -> list[int]:
-        """For the leading keys that some tier holds: the index of the fastest such tier."""
-        held = [tier.contains(keys) for tier in self.tiers]
-        holders = []
-        for i in range(len(keys)):
-            tier = next((t for t in range(len(self.tiers)) if held[t][i]), None)
-            if tier is None:
-                break
-            holders.append(tier)
-        return holders
+    def _holders(self, keys: list[bytes]) -> list[int | None]:
+        """For each key, the index of the fastest tier that holds it (None: no tier does)."""
+        held = [tier.contains(keys) for tier in self.tiers] if keys else []
+        return [next((t for t in range(len(self.tiers)) if held[t][i]), None) for i in range(len(keys))]
 
     def _decode(self, key: bytes, page: bytes | None) -> bytes | bytearray | page_codec.PageError | None:
         if page is None:

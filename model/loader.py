@@ -2,17 +2,56 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 from torch import nn
 
 from model.config import UnsupportedModelError
 
 
+FINGERPRINT_FILE = ".pagoda-weights-fingerprint.json"
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    return sorted(Path(model_dir).glob("*.safetensors"))
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """An xxh3-128 of every weights file's bytes: two checkpoints of one config (a fine-tune, a
+    new revision in place) never share KV pages. Kept beside the model, keyed by each file's
+    name, size, mtime and inode, so it is computed once per change of the files (~0.1 s a GB),
+    and computed each time where the directory is read-only."""
+    files = weight_files(model_dir)
+    stamp = [[f.name, st.st_size, st.st_mtime_ns, st.st_ino] for f in files for st in [f.stat()]]
+    cache = Path(model_dir) / FINGERPRINT_FILE
+    try:
+        cached = json.loads(cache.read_text())
+        if cached["files"] == stamp:
+            return cached["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = xxhash.xxh3_128()
+    for f in files:
+        with open(f, "rb") as stream:
+            while chunk := stream.read(16 << 20):
+                digest.update(chunk)
+    fingerprint = digest.hexdigest()
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"files": stamp, "fingerprint": fingerprint}))
+        tmp.replace(cache)
+    except OSError:  # a read-only model directory: hashed again next time
+        tmp.unlink(missing_ok=True)
+    return fingerprint
+
+
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = weight_files(model_dir)
     if not files:
         raise UnsupportedModelError(f"{model_dir} has no *.safetensors weights")
     params = dict(model.named_parameters())

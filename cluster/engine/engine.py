@@ -33,7 +33,7 @@ from cluster.engine.prompt import PromptEncoder
 from cluster.engine.request import FinishReason, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerPlan
-from model.loader import parse_dtype
+from model.loader import parse_dtype, weights_fingerprint
 from model.kv_transfer import KVImport
 from model.runner import ModelRunner, SampledToken, SequenceInput, StepOutput, kv_bytes_per_block
 from model.sampler import SamplingRow
@@ -182,8 +182,8 @@ class LLMEngine:
         if plan.is_empty:
             return []
         deltas = self.update(plan, self._execute(self.build_inputs(plan)))
-        if self.kv_cache.write_through:  # the blocks this step filled, now that their KV exists
-            self._spill(self.kv_cache.pool.take_newly_cached())
+        if self.kv_cache.offload is not None:  # blocks first shared (and, write-through, just filled)
+            self._spill(self.kv_cache.pool.take_to_store())
         return deltas
 
     @property
@@ -258,11 +258,9 @@ class LLMEngine:
             if request.kv_import is not None:  # installed once, before the request's first step
                 imported = KVImport(request.kv_import, request.kv_import_from, request.num_prompt_tokens)
                 request.kv_import = None
-            if request.kv_restore:  # likewise: pages from a lower tier, into the blocks after the hit
-                first = request.kv_import_from // self.config.block_size
-                block_ids = self.kv_cache.block_ids(request.request_id)[first:first + len(request.kv_restore)]
-                restored = list(zip(block_ids, request.kv_restore))
-                request.kv_restore = []
+            if s.restore:  # pages from a lower tier or a swap copy, into their blocks
+                block_ids = self.kv_cache.block_ids(request.request_id)
+                restored = [(block_ids[index], payload) for index, payload in s.restore]
             inputs.append(
                 SequenceInput(
                     new_token_ids=request.token_ids[start : start + s.num_new_tokens],
@@ -368,6 +366,8 @@ class LLMEngine:
 
 
 def _model_identity(model_dir: Path, config: EngineConfig) -> str:
-    """What makes a KV page reusable: the same weights layout and numerics."""
+    """What makes a KV page reusable: the same weights (their bytes, not the directory's name),
+    layout and numerics. It roots every block hash and is in every page's header."""
     digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
-    return f"{model_dir.name}:{digest}:{config.dtype}:{config.quantization or 'noquant'}:bs{config.block_size}"
+    weights = weights_fingerprint(model_dir)[:32]
+    return f"{model_dir.name}:{digest}:{weights}:{config.dtype}:{config.quantization or 'noquant'}:bs{config.block_size}"

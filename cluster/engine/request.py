@@ -58,9 +58,6 @@ class Request:
     # the scheduler sets kv_import_from to the first position not already in the prefix cache.
     kv_import: list[KVPart] | None = None
     kv_import_from: int = 0
-    # Payloads of the blocks after its device prefix hit that a lower tier held (written into
-    # its blocks before its first step, then dropped).
-    kv_restore: list[bytes] = field(default_factory=list)
     # Swap preemption: the blocks to copy out before the step (block ids, computed tokens), then
     # the copy (computed tokens, a payload per block) until the request is admitted again.
     swap_out: tuple[list[int], int] | None = None

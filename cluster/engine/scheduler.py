@@ -5,6 +5,11 @@ more tokens computed; a step grants them under a token budget (max_num_batched_t
 sequence cap (max_num_seqs), running requests first, oldest first, then waiting ones in arrival
 order. A long prompt therefore prefills in chunks alongside other requests' decodes.
 
+KV that needs no compute (pages from a lower tier, a swap copy, a prefill engine's import) only
+needs blocks: a step installs a run of it (`ScheduledRequest.restore`) and jumps
+num_computed_tokens over it. A request computes up to the next such run, so a block that no
+tier held is recomputed and the blocks after it are still restored.
+
 When blocks run out for a running request, the newest running request is preempted (its blocks
 freed) until the older one fits. With preemption_mode "recompute" it starts again later, mostly
 from the prefix cache; with "swap" the engine copies its KV to host memory before the step and it
@@ -24,6 +29,8 @@ from cluster.engine.request import FinishReason, Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # (block index, payload): pages this step writes into the request's blocks before it runs
+    restore: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -80,15 +87,19 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            restore = self.kv_cache.restorable_run(request.request_id, request.num_computed_tokens)
+            num_ready = request.num_computed_tokens + len(restore) * self.kv_cache.block_size
+            num_new = self._num_new_tokens(request, num_ready, budget)
+            while not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                plan.scheduled.append(ScheduledRequest(request, num_new))
+                self.kv_cache.take_restored(request.request_id, restore)
+                request.num_computed_tokens = num_ready
+                plan.scheduled.append(ScheduledRequest(request, num_new, restore))
                 budget -= num_new
                 i += 1
         if plan.preempted:
@@ -100,30 +111,39 @@ class Scheduler:
             # KV imported from a prefill engine, swapped out at preemption, or restored from a
             # lower tier needs no compute, only blocks (the engine writes it in before the step).
             if request.kv_import is not None:
-                restored, num_ready = [], max(num_cached, request.num_prompt_tokens)
+                restore, num_ready = [], max(num_cached, request.num_prompt_tokens)
             elif request.swapped is not None:
                 num_swapped, payloads = request.swapped
-                restored, num_ready = payloads[len(cached):], max(num_cached, num_swapped)
+                restore, num_ready = list(enumerate(payloads))[len(cached):], max(num_cached, num_swapped)
             else:
-                restored = self.kv_cache.load_offloaded_prefix(request.request_id, len(cached))
-                num_ready = num_cached + len(restored) * self.kv_cache.block_size
-            num_new = min(request.num_tokens - num_ready, budget)
+                self.kv_cache.load_offloaded(request.request_id, len(cached))
+                restore = self.kv_cache.restorable_run(request.request_id, num_cached)
+                num_ready = num_cached + len(restore) * self.kv_cache.block_size
+            num_new = self._num_new_tokens(request, num_ready, budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new, cached, request.salt):
                 break
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
-            self.kv_cache.drop_loaded(request.request_id)
+            self.kv_cache.take_restored(request.request_id, restore if request.swapped is None else [])
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
             request.kv_import_from = num_cached
-            request.kv_restore = restored
             if request.swapped is not None:
                 request.swapped = None  # back in device memory (restored by this step)
                 self.num_swapped_in += 1
             self.running.append(request)
-            plan.scheduled.append(ScheduledRequest(request, num_new))
+            plan.scheduled.append(ScheduledRequest(request, num_new, restore))
             budget -= num_new
         return plan
+
+    def _num_new_tokens(self, request: Request, num_ready: int, budget: int) -> int:
+        """Tokens to compute this step: up to the end, the budget, or the next run of pages that
+        needs no compute (a later step installs it)."""
+        end = request.num_tokens
+        next_restorable = self.kv_cache.next_restorable_token(request.request_id, num_ready)
+        if next_restorable is not None:
+            end = min(end, next_restorable)
+        return min(end - num_ready, budget)
 
     def update(self, plan: SchedulerPlan) -> None:
         """After the workers ran the plan: advance computed counts and cache the blocks that
@@ -150,7 +170,6 @@ class Scheduler:
             request.swap_out = (self.kv_cache.block_ids(request.request_id)[:num_blocks], request.num_computed_tokens)
         self.kv_cache.free(request.request_id)
         request.kv_import = None  # its blocks are gone: it is recomputed here from the start
-        request.kv_restore = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

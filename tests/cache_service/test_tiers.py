@@ -87,11 +87,14 @@ def test_a_damaged_page_is_a_miss_counted_and_quarantined(tmp_path, kind, reason
     tier.put(key, data)
     path = tmp_path / f"{key.hex()}.page"
     path.write_bytes(damage(data, kind))
-    # the restored prefix stops at the damaged page: the rest is recomputed
-    assert offload.load_prefix([good_key, key]) == [kv_block("float32", seed=0).tobytes()]
+    # the damaged page is a hole (recomputed); the pages around it are restored
+    after_key, after = page(2)
+    tier.put(after_key, after)
+    assert offload.load_blocks([good_key, key, after_key]) == [kv_block("float32", seed=0).tobytes(), None,
+                                                               kv_block("float32", seed=2).tobytes()]
     assert tier.stats.bad_pages == {reason: 1}
     assert not path.exists() and (tmp_path / "quarantine" / path.name).exists()
-    assert tier.contains([key]) == [False] and tier.used_bytes == len(good)
+    assert tier.contains([key]) == [False] and tier.used_bytes == len(good) + len(after)
 
 
 def test_an_unwritable_disk_turns_the_tier_off_without_raising(tmp_path, caplog):

@@ -102,9 +102,91 @@ def test_a_damaged_page_on_disk_is_recomputed_with_the_same_answer(model_dir, tm
     restarted = small_engine(model_dir, tmp_path, host=False)
     assert answer(restarted, "again", prompts[0]) == cold
     stats = restarted.kv_cache.offload.describe()
-    assert stats["restored_from"]["disk"] == 10  # the run before the damaged page; the rest recomputed
+    assert stats["restored_from"]["disk"] == len(prompts[0]) // 16 - 1  # all but the damaged page
     assert stats["tiers"]["disk"]["bad_pages"] == {reason: 1}
     assert not victim.exists() and (tmp_path / "kv" / "quarantine" / victim.name).exists()
+
+
+def count_computed_tokens(engine) -> list[int]:
+    """Wraps the runner: the returned list grows by each step's computed token count."""
+    counts, execute = [], engine.runner.execute
+    engine.runner.execute = lambda seqs: counts.append(sum(len(s.new_token_ids) for s in seqs)) or execute(seqs)
+    return counts
+
+
+def test_a_page_missing_from_the_middle_costs_one_blocks_recompute(model_dir, tmp_path, prompts, cold, spilled_pages):
+    """No hole hides the rest: the blocks after a missing page are restored, only it is computed."""
+    pages, doc_hashes = spilled_pages
+    shutil.copytree(pages, tmp_path / "kv")
+    (tmp_path / "kv" / f"{doc_hashes[10].hex()}.page").unlink()
+    restarted = small_engine(model_dir, tmp_path, host=False)
+    computed = count_computed_tokens(restarted)
+    assert answer(restarted, "again", prompts[0]) == cold
+    assert restarted.kv_cache.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16 - 1
+    # the hole's 16 tokens, the tail after the last full block before the final token, 7 decodes
+    tail = len(prompts[0]) - (len(prompts[0]) - 1) // 16 * 16
+    assert sum(computed) == 16 + tail + 7
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(tokenizer):
+    """A chat document and two other chats: the model's template puts the same system prompt in
+    front of each, so their first block is shared and stays in device memory."""
+    def chat(text):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
+
+    doc = chat(DOC[:2000] + "\nSummarize the text above.")[:600]
+    return doc, [chat(DOC_B[:2200])[:600], chat(DOC_B[3000:5200])[:600]]
+
+
+def test_a_chat_document_comes_back_whole_after_a_crash(model_dir, tmp_path, chat_prompts):
+    """The shared head (system prompt) is never evicted, but it is written down once when a second
+    request first shares it: after a crash (no drain) a new engine restores every block."""
+    cold_engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=64, enable_prefix_caching=False))
+    cold_answer = answer(cold_engine, "cold", chat_prompts[0])
+    engine = small_engine(model_dir, tmp_path)
+    answer(engine, "first", chat_prompts[0])
+    for i, other in enumerate(chat_prompts[1]):
+        answer(engine, f"other{i}", other)
+    engine.kv_cache.offload.flush()
+    cached, _ = engine.kv_cache.find_cached_prefix("probe", chat_prompts[0])
+    assert len(cached) == 1  # only the shared head is still in device memory
+    del engine  # a crash: nothing more is moved down
+    restarted = small_engine(model_dir, tmp_path, host=False)
+    assert answer(restarted, "again", chat_prompts[0]) == cold_answer
+    assert restarted.kv_cache.offload.describe()["restored_from"]["disk"] == (len(chat_prompts[0]) - 1) // 16
+
+
+def test_blocks_are_written_down_once_when_first_shared(model_dir, tmp_path, prompts):
+    engine = small_engine(model_dir, tmp_path, disk=False)
+    head = prompts[0][:64]
+    answer(engine, "a", head + [11] * 20)
+    engine.kv_cache.offload.flush()
+    assert engine.kv_cache.offload.stats.spilled_blocks == 0  # cached, not shared yet
+    answer(engine, "b", head + [12] * 20)  # shares the 4 blocks of the head
+    answer(engine, "c", head + [13] * 20)  # shares them again: nothing more to write
+    engine.kv_cache.offload.flush()
+    assert engine.kv_cache.offload.stats.spilled_blocks == 4
+
+
+def test_pages_of_other_weights_are_never_used(tmp_path, model_dir):
+    """Two checkpoints of the same config in directories of the same name (a fine-tune, a new
+    revision in place) on one disk tier: the second computes its own KV and its own answer."""
+    from tests.model.test_tiny_models import ARCHITECTURES, save_tiny_model
+
+    paths = [save_tiny_model(*ARCHITECTURES["llama3"], tmp_path / name / "tiny", model_dir, seed)[0]
+             for name, seed in (("a", 0), ("b", 1))]
+    prompt = list(range(100, 300))
+    config = dict(num_blocks=32, max_num_batched_tokens=256, disk_kv_bytes=64 << 20, kv_cache_dir=str(tmp_path / "kv"))
+    first = LLMEngine(EngineConfig(model=paths[0], **config))
+    first_answer = answer(first, "a", prompt)
+    assert first.spill_prefix_cache() == (len(prompt) - 1) // 16  # its pages are on disk
+    second = LLMEngine(EngineConfig(model=paths[1], **config))
+    second_answer = answer(second, "b", prompt)
+    assert second.kv_cache.offload.describe()["restored_blocks"] == 0
+    alone = LLMEngine(EngineConfig(model=paths[1], num_blocks=32, enable_prefix_caching=False))
+    assert second_answer == answer(alone, "alone", prompt) != first_answer
+    assert first.model_identity != second.model_identity
 
 
 def test_two_engines_share_the_cache_service(server, model_dir, prompts, cold):

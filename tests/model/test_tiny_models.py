@@ -34,16 +34,20 @@ ARCHITECTURES = {
 }
 
 
+def save_tiny_model(model_cls, config, out, tokenizer_dir, seed: int = 0):
+    """A random-weight model of `config` saved with HF (and the default model's tokenizer)."""
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(f"{tokenizer_dir}/{name}", f"{out}/{name}")
+    return str(out), model
+
+
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def tiny_model(request, tmp_path_factory, model_dir):
     model_cls, config = ARCHITECTURES[request.param]
-    torch.manual_seed(0)
-    model = model_cls(config).eval()
-    out = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        shutil.copy(f"{model_dir}/{name}", out / name)
-    return str(out), model
+    return save_tiny_model(model_cls, config, tmp_path_factory.mktemp(request.param), model_dir)
 
 
 def test_tiny_model_matches_hf(tiny_model):
