@@ -62,9 +62,14 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
               help="When device KV runs out: recompute a preempted request later, or swap its KV to host memory.")
 @click.option("--swap-space-gb", type=click.FloatRange(min=0), default=None,
               help="Host memory for swapped-out KV (default 4); beyond it, preemption recomputes.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=None,
+              help="On SIGTERM/Ctrl-C: seconds for requests in flight to finish (default 30); new ones get 503.")
 def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp,
-          device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through, preemption_mode, swap_space_gb) -> None:
-    """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground; Ctrl-C stops it."""
+          device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through, preemption_mode, swap_space_gb,
+          drain_timeout) -> None:
+    """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground. SIGTERM or
+    Ctrl-C drains it (new requests refused, those in flight finish), then stops Serve and Ray."""
+    import os
     import signal
 
     from cluster.serve import launcher
@@ -90,6 +95,8 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
             engine[key] = int(value * gib)
     if kv_write_through:
         engine["kv_write_through"] = True
+    if drain_timeout is not None:
+        args["drain_timeout_s"] = drain_timeout
     if preemption_mode:
         engine["preemption_mode"] = preemption_mode
     if kv_cache_dir or engine.get("disk_kv_bytes"):
@@ -99,24 +106,37 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
     from cluster.serve.app import check_app_args
 
     try:
-        check_app_args(args)  # a bad option or TP size fails here, before Ray starts
+        config, _, _ = check_app_args(args)  # a bad option or TP size fails here, before Ray starts
     except Exception as e:  # noqa: BLE001 - pydantic, EngineConfig and model errors all name the option
         raise click.ClickException(str(e)) from None
+
     def request_stop(*_):
         raise KeyboardInterrupt
 
-    # Handle both explicitly: a shell that starts us in the background leaves SIGINT ignored,
-    # and then Python would never raise KeyboardInterrupt on Ctrl-C.
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    def on_stop_signals(handler) -> None:
+        # Both explicitly: a shell that starts us in the background leaves SIGINT ignored, and
+        # then Python would never raise KeyboardInterrupt on Ctrl-C.
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    # ray.init installs a failure handler for SIGTERM that aborts the process (exit -6) and
+    # leaves Ray's agents running; ours must stay: tell Ray not to, and set ours again after.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    on_stop_signals(request_stop)
+    started = False
     try:
         info = launcher.start(args, http_port, grpc_port, address, num_cpus)
+        on_stop_signals(request_stop)
+        started = True
         click.echo(f"pagoda ready grpc=127.0.0.1:{grpc_port} http=127.0.0.1:{http_port} model={info['id']}")
         sys.stdout.flush()
         while True:
             time.sleep(0.5)
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        on_stop_signals(signal.SIG_IGN)  # a second signal must not cut the shutdown short
+        if started:
+            finished = launcher.drain(config.drain_timeout_s, log=lambda msg: click.echo(f"pagoda: {msg}", err=True))
+            click.echo("pagoda: drained" if finished else "pagoda: drain period over; ending what is left", err=True)
     finally:
         click.echo("pagoda: stopping", err=True)
         launcher.stop()

@@ -43,6 +43,7 @@ class DeploymentOptions(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     ray_actor_options: dict[str, Any] | None = None
     health_check_period_s: float | None = None
+    graceful_shutdown_timeout_s: float | None = Field(None, description="default: the app's drain_timeout_s")
     request_router_config: dict[str, Any] | None = None
 
     def as_kwargs(self) -> dict:
@@ -64,6 +65,7 @@ class AppConfig(BaseModel):
     max_waiting_requests: int = Field(256, ge=1, description="beyond this, new requests get 429 / RESOURCE_EXHAUSTED")
     limits: InputLimits = Field(default_factory=InputLimits, description="what one request may ask for")
     request_timeout_s: float | None = Field(600.0, gt=0, description="server-side deadline of a request")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM or a replica stop: how long requests in flight may finish")
     torch_threads: int | None = Field(None, description="torch threads of the engine (default: all CPUs of the node)")
     llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
         max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}, health_check_period_s=2))
@@ -104,13 +106,16 @@ def build_app(args: dict | None = None):
     common = dict(max_waiting_requests=config.max_waiting_requests, request_timeout_s=config.request_timeout_s,
                   torch_threads=config.torch_threads)
     prefill_server = None
+    # Serve waits this long for a stopping replica's requests (then LLMServer.shutdown ends the
+    # rest with an error); the ingress a little longer, so it can still relay that error.
+    drain = {"graceful_shutdown_timeout_s": config.drain_timeout_s}
     if config.disaggregated:
-        prefill_options = config.prefill_server.as_kwargs()
+        prefill_options = {**drain, **config.prefill_server.as_kwargs()}
         prefill_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)
         prefill_server = serve.deployment(LLMServer, name="PrefillServer", **prefill_options).bind(
             engine_config=prefill_engine,
             **{**common, "torch_threads": config.prefill_torch_threads or config.torch_threads})
-    decode_options = config.llm_server.as_kwargs()
+    decode_options = {**drain, **config.llm_server.as_kwargs()}
     if config.disaggregated:  # unless the config names another router
         decode_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)
     llm_server = serve.deployment(LLMServer, name="LLMServer", **decode_options).bind(
@@ -118,7 +123,8 @@ def build_app(args: dict | None = None):
     ingress_cls = serve.ingress(build_fastapi_app)(Ingress)
     # The ingress refuses at once what every server replica would refuse: their queues together.
     max_pending = config.max_waiting_requests * config.llm_server.max_replicas
-    return serve.deployment(ingress_cls, name="Ingress", **config.ingress.as_kwargs()).bind(
+    ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
+    return serve.deployment(ingress_cls, name="Ingress", **ingress_options).bind(
         llm_server, limits=config.limits.model_dump(), max_pending_requests=max_pending)
 
 

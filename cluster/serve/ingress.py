@@ -39,6 +39,7 @@ from cluster.serve.errors import (
     UnsupportedMediaTypeError,
     WorkerLostError,
 )
+from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.openai_protocol import (
@@ -76,7 +77,7 @@ def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
         return 504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED, str(cause) or "timed out"
     if isinstance(cause, RequestFailedError):
         return 500, "internal_error", grpc.StatusCode.INTERNAL, str(cause)
-    if isinstance(cause, WorkerLostError):
+    if isinstance(cause, (WorkerLostError, ServerDrainingError)):
         return 503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, str(cause)
     if isinstance(cause, (DeploymentUnavailableError, RayActorError)):
         return 503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, "the model server is unavailable; retry later"
@@ -99,6 +100,8 @@ class Ingress:
         # beyond the bound, refused at once, before any work is spent on them.
         self.max_pending_requests = max_pending_requests
         self.num_pending_requests = 0
+        self.num_in_flight = 0  # requests being answered, streams included (what a drain waits for)
+        self._drain = DrainWatcher(replica_name(self), lambda: self.num_in_flight)
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._encoder: PromptEncoder | None = None
         self._info: dict | None = None
@@ -119,7 +122,9 @@ class Ingress:
     @contextlib.contextmanager
     def _admission(self):
         """Holds a place among this replica's pending requests until the first delta (or an
-        error); raises EngineOverloadedError at once when there is none."""
+        error); raises ServerDrainingError while draining, EngineOverloadedError at once when
+        there is no place."""
+        self._drain.check_admission()
         if self.num_pending_requests >= self.max_pending_requests:
             raise EngineOverloadedError(f"more than {self.max_pending_requests} requests are waiting; retry later")
         self.num_pending_requests += 1
@@ -145,22 +150,26 @@ class Ingress:
     # ---- gRPC (method names are the RPC names) ---------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context):
+        self.num_in_flight += 1
         try:
-            with self._admission():
-                self._check_size(request.ByteSize())
-                prompt, messages = grpc_convert.prompt_or_messages(request)
-                params = grpc_convert.sampling_params(request.sampling)
-                first, deltas = await self._submit(prompt, messages, params)
-        except Exception as e:
-            self._set_grpc_error(grpc_context, e)
-            raise
-        yield grpc_convert.response(first)
-        try:
-            async for delta in deltas:
-                yield grpc_convert.response(delta)
-        except Exception as e:
-            self._set_grpc_error(grpc_context, e)
-            raise
+            try:
+                with self._admission():
+                    self._check_size(request.ByteSize())
+                    prompt, messages = grpc_convert.prompt_or_messages(request)
+                    params = grpc_convert.sampling_params(request.sampling)
+                    first, deltas = await self._submit(prompt, messages, params)
+            except Exception as e:
+                self._set_grpc_error(grpc_context, e)
+                raise
+            yield grpc_convert.response(first)
+            try:
+                async for delta in deltas:
+                    yield grpc_convert.response(delta)
+            except Exception as e:
+                self._set_grpc_error(grpc_context, e)
+                raise
+        finally:
+            self.num_in_flight -= 1
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
         await self._ready()
@@ -224,6 +233,17 @@ class Ingress:
         return await self._openai(raw, ChatCompletionRequest, "chat")
 
     async def _openai(self, raw: Request, model_cls, kind: str):
+        self.num_in_flight += 1
+        streaming = False
+        try:
+            response = await self._openai_response(raw, model_cls, kind)
+            streaming = isinstance(response, StreamingResponse)  # its body counts itself out
+            return response
+        finally:
+            if not streaming:
+                self.num_in_flight -= 1
+
+    async def _openai_response(self, raw: Request, model_cls, kind: str):
         try:
             await self._ready()
         except Exception as e:
@@ -309,19 +329,22 @@ class Ingress:
         def event(payload) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        builder.add(first)
-        yield event(builder.chunk(first, want_logprobs))
         try:
-            async for delta in deltas:
-                builder.add(delta)
-                yield event(builder.chunk(delta, want_logprobs))
-        except Exception as e:  # the status line has gone out: report in the stream, then end it
-            status, kind_name, _, message = _error_kind(e)
-            yield event(error_body(message, kind_name))
-            return
-        if include_usage:
-            yield event(builder.usage_chunk())
-        yield "data: [DONE]\n\n"
+            builder.add(first)
+            yield event(builder.chunk(first, want_logprobs))
+            try:
+                async for delta in deltas:
+                    builder.add(delta)
+                    yield event(builder.chunk(delta, want_logprobs))
+            except Exception as e:  # the status line has gone out: report in the stream, then end it
+                status, kind_name, _, message = _error_kind(e)
+                yield event(error_body(message, kind_name))
+                return
+            if include_usage:
+                yield event(builder.usage_chunk())
+            yield "data: [DONE]\n\n"
+        finally:
+            self.num_in_flight -= 1
 
 
 async def _cancel_when_abandoned(deltas):

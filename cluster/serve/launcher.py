@@ -1,5 +1,6 @@
 """Start (or join) a Ray cluster, start Serve's HTTP and gRPC proxies, deploy Pagoda, wait until
-it answers. Used by `pagoda serve` and by the integration tests, so both run the same path."""
+it answers; drain and stop it. Used by `pagoda serve` and by the integration tests, so both run
+the same path."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from pathlib import Path
 import requests
 import yaml
 
+from cluster.serve import drain as drain_module
 from cluster.serve.app import GRPC_SERVICER, build_app
 
 APP_NAME = "pagoda"
+_drain_signal = None  # the DrainSignal actor lives as long as this handle (owned by this driver)
 
 
 def load_app_args(config_path: str | Path | None) -> dict:
@@ -49,6 +52,8 @@ def start(
                 address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                 _metrics_export_port=metrics_port,  # Prometheus scrapes Pagoda's metrics here
             )
+    global _drain_signal
+    _drain_signal = drain_module.start_drain_signal()  # before the replicas: each finds it at its first look
     serve.start(
         http_options=HTTPOptions(host="127.0.0.1", port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
@@ -67,10 +72,22 @@ def start(
         time.sleep(0.5)
 
 
+def drain(timeout_s: float, log=print) -> bool:
+    """Refuse new requests (503 / UNAVAILABLE), give the ones in flight `timeout_s` to finish,
+    end the rest with an error. Returns whether all finished in time."""
+    import ray
+
+    if not ray.is_initialized() or _drain_signal is None:
+        return True
+    return drain_module.drain(_drain_signal, timeout_s, log)
+
+
 def stop() -> None:
     import ray
     from ray import serve
 
+    global _drain_signal
+    _drain_signal = None
     if ray.is_initialized():
         try:
             serve.shutdown()

@@ -35,6 +35,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.sampling_params import SamplingParams
+from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.errors import EngineOverloadedError, RequestFailedError, RequestTimeoutError, WorkerLostError
 from cluster.serve.metrics import EngineMetrics, start_gpu_telemetry
 
@@ -107,6 +108,7 @@ class LLMServer:
         self.engine: LLMEngine = built.result()  # re-raises a failed build
         self.metrics = EngineMetrics(self.model_info()["model_id"])
         start_gpu_telemetry()
+        self._drain = _drain_watcher(self)
         self._ready.set()
 
     # ---- called by the ingress (through a deployment handle) -------------------------------
@@ -132,6 +134,8 @@ class LLMServer:
         return last
 
     def _check_admission(self, request: GenerationRequest) -> None:
+        if self._drain is not None:
+            self._drain.check_admission()
         if self._worker_lost is not None:
             raise WorkerLostError(self._worker_lost)
         # The inbox is a fair count of what the engine thread has not taken yet.
@@ -218,7 +222,10 @@ class LLMServer:
 
     def shutdown(self) -> None:
         """Stop the engine thread and wait for it (a thread killed inside torch at interpreter
-        exit aborts the process)."""
+        exit aborts the process). Requests still running end with ServerDrainingError; the
+        prefix cache moves down to the tiers that outlive the process."""
+        if getattr(self, "_drain", None) is not None:
+            self._drain.stop()
         self._stopped = True
         if hasattr(self, "_thread"):  # __init__ may have failed before starting it
             self._ready.set()
@@ -274,6 +281,8 @@ class LLMServer:
             self.metrics.record_engine(self.stats())
             if engine.kv_cache.offload is not None:
                 self.metrics.record_tiers(engine.kv_cache.offload)
+        self._drain_inbox()
+        self._fail_all(ServerDrainingError("the server stopped before this request finished; retry"))
         self._drain_kv(engine)
 
     def _drain_kv(self, engine: LLMEngine) -> None:
@@ -296,7 +305,10 @@ class LLMServer:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if message[0] == "add":
+            if message[0] == "drain_deadline":
+                self._fail_all(ServerDrainingError("the server is shutting down and this request did not "
+                                                   "finish within the drain period; retry"))
+            elif message[0] == "add":
                 _, request_id, request, stream, export_kv, prefilled = message
                 try:
                     ready = self.engine.add_request(request_id, request.prompt_token_ids, request.params,
@@ -360,6 +372,16 @@ class LLMServer:
             m.e2e.observe(now - stream.arrival)
             if stream.num_tokens > 1:
                 m.tpot.observe((now - stream.first_token) / (stream.num_tokens - 1))
+
+
+def _drain_watcher(server: LLMServer) -> DrainWatcher | None:
+    """In a Ray cluster: report this replica's streams and refuse work while draining."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return DrainWatcher(replica_name(server), lambda: len(server._streams),
+                        on_deadline=lambda: server._send(("drain_deadline",)))
 
 
 async def fetch_prefilled_kv(prefilled: PrefillResult | None) -> None:

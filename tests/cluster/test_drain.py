@@ -1,0 +1,132 @@
+"""SIGTERM (what Kubernetes sends) drains `pagoda serve`: new requests are refused with 503 /
+UNAVAILABLE, streams in flight finish (or, past the grace period, end with an explicit error),
+the process exits 0 and no Ray or Pagoda process is left."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+import requests
+
+from protos import inference_pb2 as pb
+from protos import inference_pb2_grpc as pb_grpc
+from tests.cluster.test_serve_cli import BIN, ROOT, descendants
+
+HTTP, GRPC = 18400, 19400
+
+
+def start_server(model_dir, drain_timeout: float) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [str(BIN / "pagoda"), "serve", "--model", model_dir, "--http-port", str(HTTP), "--grpc-port", str(GRPC),
+         "--num-cpus", "1", "--drain-timeout", str(drain_timeout)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, cwd=ROOT,
+    )
+    assert proc.stdout.readline().startswith("pagoda ready")
+    return proc
+
+
+def http_stream(max_tokens: int, started: threading.Event, out: dict) -> None:
+    with requests.post(f"http://127.0.0.1:{HTTP}/v1/completions", stream=True, timeout=300, json={
+            "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True}) as r:
+        events = []
+        for line in r.iter_lines():
+            if line:
+                events.append(line.decode().removeprefix("data: "))
+                started.set()
+        out["events"] = events
+
+
+def grpc_stream(max_tokens: int, started: threading.Event, out: dict) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC}") as channel:
+        request = pb.GenerateRequest(prompt="In a galaxy far away", sampling=pb.SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=0))
+        tokens = 0
+        try:
+            for response in pb_grpc.InferenceStub(channel).Generate(request, timeout=300):
+                tokens += len(response.token_ids)
+                started.set()
+            out["result"] = ("OK", tokens)
+        except grpc.RpcError as e:
+            out["result"] = (e.code().name, tokens, e.details())
+
+
+def run_streams(max_tokens: int):
+    outs = [{}, {}, {}]
+    events = [threading.Event() for _ in outs]
+    threads = [threading.Thread(target=http_stream, args=(max_tokens, events[0], outs[0])),
+               threading.Thread(target=http_stream, args=(max_tokens, events[1], outs[1])),
+               threading.Thread(target=grpc_stream, args=(max_tokens, events[2], outs[2]))]
+    for t in threads:
+        t.start()
+    for e in events:
+        assert e.wait(120)
+    return threads, outs
+
+
+def refused_while_draining() -> tuple[requests.Response, grpc.RpcError]:
+    """New requests until one is refused (the replicas learn of the drain within ~0.25 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        r = requests.post(f"http://127.0.0.1:{HTTP}/v1/completions", timeout=30, json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            break
+        assert time.monotonic() < deadline
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC}") as channel, pytest.raises(grpc.RpcError) as error:
+        list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2))))
+    return r, error.value
+
+
+def exits_cleanly(proc: subprocess.Popen, children: list[psutil.Process]) -> None:
+    assert proc.wait(timeout=120) == 0
+    time.sleep(10)
+    alive = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [" ".join(p.cmdline()[:2]) for p in alive]
+
+
+def test_sigterm_lets_streams_finish_refuses_new_ones_and_leaves_nothing(model_dir):
+    proc = start_server(model_dir, drain_timeout=120)
+    try:
+        children = descendants(proc.pid)
+        threads, outs = run_streams(max_tokens=48)
+        os.kill(proc.pid, signal.SIGTERM)  # the process alone, as Kubernetes does
+        r, error = refused_while_draining()
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "service_unavailable"
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.details()
+        for t in threads:
+            t.join(300)
+        for out in outs[:2]:
+            assert out["events"][-1] == "[DONE]"
+            texts = [json.loads(e)["choices"][0] for e in out["events"][:-1]]
+            assert texts[-1]["finish_reason"] == "length"
+        assert outs[2]["result"] == ("OK", 48)
+        exits_cleanly(proc, children)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_streams_past_the_grace_period_end_with_an_error_not_a_cut(model_dir):
+    proc = start_server(model_dir, drain_timeout=3)
+    try:
+        children = descendants(proc.pid)
+        threads, outs = run_streams(max_tokens=4000)
+        os.kill(proc.pid, signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        for out in outs[:2]:
+            last = json.loads(out["events"][-1])
+            assert last["error"]["type"] == "service_unavailable" and "drain period" in last["error"]["message"]
+        code, tokens, details = outs[2]["result"]
+        assert code == "UNAVAILABLE" and "drain period" in details and 0 < tokens < 4000
+        exits_cleanly(proc, children)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
