@@ -210,6 +210,28 @@ def test_two_engines_share_the_cache_service(server, model_dir, prompts, cold):
             ray.kill(shard)
 
 
+def test_a_second_engine_restores_a_chat_document_from_the_cache_service(server, model_dir, chat_prompts):
+    """A chat document computed on one engine (as one replica), pushed out of its device memory by
+    other chats: its shared head was never evicted but went down when first shared, so a second
+    engine over the same CacheService restores every block of it."""
+    import ray
+
+    config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
+                  kv_cache_service_shards=2)
+    first, second = LLMEngine(EngineConfig(**config)), LLMEngine(EngineConfig(**config))
+    shared = first.kv_cache.offload.tiers[0]
+    try:
+        first_answer = answer(first, "first", chat_prompts[0])
+        for i, other in enumerate(chat_prompts[1]):
+            answer(first, f"other{i}", other)
+        first.kv_cache.offload.flush()
+        assert answer(second, "second", chat_prompts[0]) == first_answer
+        assert second.kv_cache.offload.describe()["restored_from"]["service"] == (len(chat_prompts[0]) - 1) // 16
+    finally:
+        for shard in shared.shards:
+            ray.kill(shard)
+
+
 def test_an_unwritable_disk_tier_degrades_to_recompute(model_dir, prompts, cold, caplog):
     """A disk tier that cannot be written turns itself off; requests still get the same answer."""
     engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
