@@ -59,8 +59,8 @@ def test_bench_numbers_agree_with_the_servers_own_metrics(server, model_dir):
     # The client's TTFT holds the server's (which starts when the LLMServer gets the request) plus
     # the proxy, ingress and tokenization: milliseconds. Ray exports histograms as bucket counts
     # (its _sum is made of bucket midpoints), so compare request by request, sorted: the k-th
-    # client TTFT lies at or above the lower edge of the k-th server bucket and at most 250 ms
-    # above its upper edge.
+    # client TTFT lies at or above the lower edge of the k-th server bucket and at most 1 s above
+    # its upper edge (generous: the serving path takes milliseconds on an idle host, more on a busy one).
     bucket = "ray_pagoda_time_to_first_token_seconds_bucket{"
     edges = sorted((float(key[len(bucket):-1]), key) for key in after if key.startswith(bucket))
     server_buckets = []  # (lower, upper) edge of each of the n requests' server TTFT
@@ -71,7 +71,7 @@ def test_bench_numbers_agree_with_the_servers_own_metrics(server, model_dir):
     client = sorted(r["chunk_times"][0] - r["start"] for r in result["runs"][0]["records"])
     assert len(server_buckets) == n
     for (lower, upper), seconds in zip(server_buckets, client):
-        assert lower <= seconds <= upper + 0.25, (server_buckets, client)
+        assert lower <= seconds <= upper + 1.0, (server_buckets, client)
 
 
 @pytest.mark.parametrize("target", ["grpc", "http"])

@@ -38,7 +38,7 @@ def deployed(server, name: str, route: str, **args):
 
     from cluster.serve.app import build_app
 
-    app_args = {"model": server["model_dir"], "torch_threads": 1, "request_timeout_s": 60,
+    app_args = {"model": server["model_dir"], "torch_threads": 1, "request_timeout_s": 600,
                 "engine": {"num_blocks": 256, **args.pop("engine", {})},
                 "llm_server": {"ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 1},
                 "prefill_server": {"ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 1},
