@@ -84,15 +84,20 @@ async def wave(num_requests: int, concurrency: int) -> dict:
     at a time (0: all at once)."""
     long_body = {"prompt": "Write a long story.", "max_tokens": 150, "ignore_eos": True}
 
-    async def call(session, body):
+    slots = asyncio.Semaphore(concurrency or num_requests)
+
+    async def post(session, body):
         start = time.perf_counter()
         async with session.post(f"{BASE}/v1/completions", json=body) as r:
             await r.read()
             return r.status, time.perf_counter() - start
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as fill_session, \
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
-        fillers = [asyncio.create_task(call(fill_session, long_body)) for _ in range(48)]  # 16 running + 32 waiting
+    async def call(session, body):
+        async with slots:  # timed from when it is sent, not while it waits for a slot here
+            return await post(session, body)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        fillers = [asyncio.create_task(post(session, long_body)) for _ in range(48)]  # 16 running + 32 waiting
         await asyncio.sleep(3)
         results = await asyncio.gather(*[call(session, {"prompt": f"Request {i}", "max_tokens": 4})
                                          for i in range(num_requests)])
