@@ -43,8 +43,10 @@ bench: model
 	$(BIN)/python -m benchmarks.kv_tiers
 	$(BIN)/python -m benchmarks.kv_page_codec
 	$(BIN)/python -m benchmarks.kv_restart
+	$(BIN)/python -m benchmarks.kv_restart --chat --out benchmarks/results/kv_restart_chat.json
 	$(BIN)/python -m benchmarks.kv_prefetch
 	$(BIN)/python -m benchmarks.kv_write_through
+	$(BIN)/python -m benchmarks.ingress_load
 
 clean:
 	rm -rf $(VENV)

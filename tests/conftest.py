@@ -8,7 +8,14 @@ import pytest
 import torch
 
 
+# A test that uses one of these loads the real default model (or a server of it): slow.
+REAL_MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model", "llm", "server", "stub"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)  # `pytest -m "not slow"`: the fast tests alone
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

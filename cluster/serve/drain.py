@@ -124,6 +124,8 @@ class DrainWatcher:
     def _run(self) -> None:
         import ray
 
+        if not ray.is_initialized():  # a server built outside a Ray cluster (tests): nothing to watch
+            return
         signal, fired = None, False
         while not self._stopped.is_set():
             if signal is None:

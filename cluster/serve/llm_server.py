@@ -108,7 +108,8 @@ class LLMServer:
         self.engine: LLMEngine = built.result()  # re-raises a failed build
         self.metrics = EngineMetrics(self.model_info()["model_id"])
         start_gpu_telemetry()
-        self._drain = _drain_watcher(self)
+        self._drain = DrainWatcher(replica_name(self), lambda: len(self._streams),
+                                   on_deadline=lambda: self._send(("drain_deadline",)))
         self._ready.set()
 
     # ---- called by the ingress (through a deployment handle) -------------------------------
@@ -134,8 +135,7 @@ class LLMServer:
         return last
 
     def _check_admission(self, request: GenerationRequest) -> None:
-        if self._drain is not None:
-            self._drain.check_admission()
+        self._drain.check_admission()
         if self._worker_lost is not None:
             raise WorkerLostError(self._worker_lost)
         # The inbox is a fair count of what the engine thread has not taken yet.
@@ -372,16 +372,6 @@ class LLMServer:
             m.e2e.observe(now - stream.arrival)
             if stream.num_tokens > 1:
                 m.tpot.observe((now - stream.first_token) / (stream.num_tokens - 1))
-
-
-def _drain_watcher(server: LLMServer) -> DrainWatcher | None:
-    """In a Ray cluster: report this replica's streams and refuse work while draining."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    return DrainWatcher(replica_name(server), lambda: len(server._streams),
-                        on_deadline=lambda: server._send(("drain_deadline",)))
 
 
 async def fetch_prefilled_kv(prefilled: PrefillResult | None) -> None:
