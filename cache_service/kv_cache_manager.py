@@ -133,10 +133,6 @@ class KVCacheManager:
         entry.prefetch, entry.prefetch_taken = (num_device_blocks, future), True
         entry.restore = {num_device_blocks + i: p for i, p in enumerate(payloads) if p is not None}
 
-    def hold_restore(self, request_id: str, pages: dict[int, bytes]) -> None:
-        """Pages of the request's blocks from elsewhere (a swap copy): block index -> payload."""
-        self._requests[request_id].restore = dict(pages)
-
     def restorable_run(self, request_id: str, num_computed_tokens: int) -> list[tuple[int, bytes]]:
         """(block index, payload) of the loaded pages that continue the request from
         num_computed_tokens without a gap; empty unless that is a block boundary."""
@@ -156,10 +152,11 @@ class KVCacheManager:
         return min(starts, default=None)
 
     def take_restored(self, request_id: str, run: list[tuple[int, bytes]]) -> None:
-        """The step that installs `run` was planned: the pages are the engine's now."""
+        """The step that installs `run` was planned: the pages are the engine's now (a swap
+        copy's were never held here)."""
         entry = self._requests[request_id]
         for index, _ in run:
-            del entry.restore[index]
+            entry.restore.pop(index, None)
         entry.prefetch = None
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:

@@ -123,7 +123,7 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new, cached, request.salt):
                 break
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
-            self.kv_cache.take_restored(request.request_id, restore if request.swapped is None else [])
+            self.kv_cache.take_restored(request.request_id, restore)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
