@@ -102,8 +102,8 @@ def test_http_bad_input_is_refused_and_hurts_no_one_beside_it(server, beside, pa
         ("POST", COMPLETIONS, {"content-type": "multipart/form-data; boundary=x"}, 415),
     ],
 )
-def test_http_errors_of_the_framework_are_openai_error_json(server, method, path, headers, status):
-    r = post(server, path, data=b'{"prompt": "hi"}', headers=headers, method=method)
+def test_http_errors_of_the_framework_are_openai_error_json(server, beside, method, path, headers, status):
+    r = beside(lambda: post(server, path, data=b'{"prompt": "hi"}', headers=headers, method=method))
     assert r.status_code == status
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
