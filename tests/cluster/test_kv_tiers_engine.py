@@ -267,7 +267,7 @@ def test_a_tp2_engine_spills_and_restores_pages_that_a_tp1_engine_can_use(server
     and a TP=1 engine on the same directory restores them too, each with the cold run's answer."""
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
                   kv_cache_dir=str(tmp_path / "kv"))
-    tp2 = LLMEngine(EngineConfig(**config, tensor_parallel_size=2))
+    tp2 = LLMEngine(EngineConfig(**config, tensor_parallel_size=2, tp_collective="gloo"))  # see TP2 in test_disaggregated_serving
     try:
         assert answer(tp2, "first", prompts[0]) == cold
         evict(tp2, prompts)
