@@ -26,6 +26,8 @@ logger = logging.getLogger("pagoda.drain")
 
 ACTOR_NAME, ACTOR_NAMESPACE = "pagoda-drain", "pagoda"
 REPORT_INTERVAL_S = 0.25
+# A replica silent this long is gone (Serve replaced or stopped it): the drain stops counting it.
+GONE_AFTER_S = 5.0
 
 
 class ServerDrainingError(RuntimeError):
@@ -37,7 +39,7 @@ class DrainSignal:
 
     def __init__(self):
         self.deadline: float | None = None  # wall-clock time; None: not draining
-        self.in_flight: dict[str, int] = {}
+        self.reports: dict[str, tuple[int, float]] = {}  # replica -> (in flight, when reported)
         self.reported_since_start: set[str] = set()
 
     def start(self, timeout_s: float) -> None:
@@ -45,18 +47,17 @@ class DrainSignal:
         self.reported_since_start.clear()
 
     def report(self, replica: str, num_in_flight: int) -> float | None:
-        self.in_flight[replica] = num_in_flight
+        self.reports[replica] = (num_in_flight, time.monotonic())
         if self.deadline is not None:
             self.reported_since_start.add(replica)
         return self.deadline
 
-    def forget(self, replica: str) -> None:
-        self.in_flight.pop(replica, None)
-
     def num_in_flight(self) -> tuple[int, int]:
-        """(requests in flight, replicas that have not heard of the drain yet)."""
-        unaware = len(set(self.in_flight) - self.reported_since_start)
-        return sum(self.in_flight.values()), unaware
+        """(requests in flight, replicas that have not heard of the drain yet), over the
+        replicas that reported lately."""
+        now = time.monotonic()
+        live = {r: count for r, (count, at) in self.reports.items() if now - at < GONE_AFTER_S}
+        return sum(live.values()), len(set(live) - self.reported_since_start)
 
 
 def replica_name(fallback: object) -> str:

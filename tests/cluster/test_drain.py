@@ -130,3 +130,17 @@ def test_streams_past_the_grace_period_end_with_an_error_not_a_cut(model_dir):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_drain_counts_replicas_that_report_and_forgets_those_gone_quiet():
+    from cluster.serve.drain import DrainSignal
+
+    signal = DrainSignal()
+    signal.report("a", 2)
+    signal.report("b", 0)
+    signal.start(30)
+    assert signal.num_in_flight() == (2, 2)  # neither has heard of the drain yet
+    signal.report("a", 1)
+    assert signal.num_in_flight() == (1, 1)
+    signal.reports["b"] = (0, time.monotonic() - 10)  # b stopped reporting: Serve replaced it
+    assert signal.num_in_flight() == (1, 0)
