@@ -28,7 +28,7 @@ demo: model
 	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
 
 test: model
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 bench: model
 	$(BIN)/python -m benchmarks.offline_throughput
