@@ -113,7 +113,7 @@ def step_times(model_dir: str, batches: tuple[int, ...]) -> dict:
             params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
             for i in range(batch):
                 engine.add_request(f"b{batch}-{i}", list(range(100 + i, 228 + i)), params)  # 128-token prompts
-            while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+            while (stats := engine.stats()).num_waiting or stats.num_prefilling:
                 engine.step()
             times = []
             for _ in range(30):
@@ -175,9 +175,10 @@ def tp2(model_dir: str, gpus: int) -> dict:
     one = [o.outputs[0].token_ids for o in LLM(model_dir, device="cuda", num_blocks=256).generate(prompts, greedy)]
     two_llm = LLM(model_dir, device="cuda", num_blocks=256, tensor_parallel_size=2)
     two = [o.outputs[0].token_ids for o in two_llm.generate(prompts, greedy)]
-    two_llm.engine.runner.shutdown()
+    ranks = two_llm.engine.executor.describe()
+    two_llm.shutdown()
     ray.shutdown()
-    return {"equal_to_tp1": one == two, "ranks": two_llm.engine.runner.ranks}
+    return {"equal_to_tp1": one == two, "ranks": ranks}
 
 
 if __name__ == "__main__":

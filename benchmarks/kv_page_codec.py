@@ -46,12 +46,12 @@ def transposed_unshuffle(shuffled: np.ndarray, elem: int) -> bytes:
 
 
 def real_kv_blocks(num_blocks: int) -> list[np.ndarray]:
-    engine = LLMEngine(EngineConfig(model=str(fetch_default_model()), num_blocks=num_blocks + 8))
+    engine = LLMEngine.from_config(EngineConfig(model=str(fetch_default_model()), num_blocks=num_blocks + 8))
     prompt = engine.tokenizer(long_document(20_000)).input_ids[: num_blocks * engine.config.block_size]
     engine.add_request("fill", prompt, SamplingParams(max_tokens=1, temperature=0))
     while engine.has_unfinished_requests():
         engine.step()
-    return engine.runner.read_blocks(engine.kv_cache.block_ids("fill")[:num_blocks] or list(range(num_blocks)))
+    return engine.executor.read_blocks(engine.kv_cache.block_ids("fill")[:num_blocks] or list(range(num_blocks)))
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from tests.parity_prompts import long_document
 
 def run(model_dir: str, prefetch: bool, docs: list[list[int]], streams: int) -> dict:
     directory = Path(tempfile.mkdtemp(prefix="pagoda-prefetch-"))
-    engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=1200, max_num_seqs=8, max_num_batched_tokens=256,
+    engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=1200, max_num_seqs=8, max_num_batched_tokens=256,
                                     disk_kv_bytes=4 << 30, kv_cache_dir=str(directory), kv_prefetch=prefetch))
     first = SamplingParams(max_tokens=1, temperature=0)
     for i, doc in enumerate(docs):  # put every document's KV on disk
@@ -53,7 +53,7 @@ def run(model_dir: str, prefetch: bool, docs: list[list[int]], streams: int) -> 
             if delta.request_id.startswith("d") and delta.request_id not in ttft:
                 ttft[delta.request_id] = time.perf_counter() - arrivals[delta.request_id]
         step += 1
-    stats = engine.kv_cache.offload.describe()
+    stats = engine.kv_connector.offload.describe()
     shutil.rmtree(directory, ignore_errors=True)
     return {"prefetch": prefetch, "total_s": time.perf_counter() - start, "doc_ttft_mean_s": statistics.mean(ttft.values()),
             "doc_ttft_p90_s": sorted(ttft.values())[int(0.9 * (len(ttft) - 1))], "restored_blocks": stats["restored_blocks"],

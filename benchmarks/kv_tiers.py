@@ -41,7 +41,7 @@ def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
 
 
 def engine(model_dir: str, directory: Path, host: bool, disk: bool, codec: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, num_blocks=600, max_num_batched_tokens=512,
+    return LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=600, max_num_batched_tokens=512,
                                   host_kv_bytes=(2 << 30) if host else 0, disk_kv_bytes=(8 << 30) if disk else 0,
                                   kv_cache_dir=str(directory), kv_page_codec=codec))
 
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_tiers.json"))
     args = parser.parse_args()
     model_dir = str(fetch_default_model())
-    cold = LLMEngine(EngineConfig(model=model_dir, num_blocks=600, max_num_batched_tokens=512, enable_prefix_caching=False))
+    cold = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=600, max_num_batched_tokens=512, enable_prefix_caching=False))
     tokenizer = cold.tokenizer
     text = long_document(60_000)
     rows = []
@@ -73,14 +73,14 @@ def main() -> None:
             if disk:
                 pages = list(directory.glob("*.page"))
                 row["disk_bytes_per_token"] = sum(p.stat().st_size for p in pages) / (len(pages) * e.config.block_size)
-                row["raw_bytes_per_token"] = e.runner.bytes_per_block / e.config.block_size
-                payload = e.runner.read_blocks([0])[0]  # a block of real KV: shuffle vs plain LZ4
+                row["raw_bytes_per_token"] = e.executor.bytes_per_block / e.config.block_size
+                payload = e.executor.read_blocks([0])[0]  # a block of real KV: shuffle vs plain LZ4
                 row["lz4_ratio"] = payload.nbytes / len(page_codec.encode(bytes(16), {}, payload, page_codec.LZ4))
                 row["shuffle_lz4_ratio"] = payload.nbytes / len(page_codec.encode(bytes(16), {}, payload, page_codec.SHUFFLE_LZ4))
                 del e
                 restarted = engine(model_dir, directory, host=False, disk=True, codec=args.codec)
                 row["disk_after_restart_s"] = ttft(restarted, "restart", prompt)
-                row["restored_after_restart"] = restarted.kv_cache.offload.describe()["restored_from"]["disk"]
+                row["restored_after_restart"] = restarted.kv_connector.offload.describe()["restored_from"]["disk"]
                 del restarted
             shutil.rmtree(directory, ignore_errors=True)
         rows.append(row)

@@ -35,7 +35,7 @@ class DecodeSide:
         import torch
 
         torch.set_num_threads(threads)
-        self.engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=1024, kv_role="decode",
+        self.engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=1024, kv_role="decode",
                                              enable_prefix_caching=False))
 
     def first_steps(self, request_id: str, prompt: list[int], prefilled) -> tuple[float, float]:
@@ -72,7 +72,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # one core each side, as a disaggregated pair on this 2-core machine
-    engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=1024, kv_role="prefill", enable_prefix_caching=False,
+    engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=1024, kv_role="prefill", enable_prefix_caching=False,
                                     max_num_batched_tokens=512))
     decode = DecodeSide.remote(model_dir, 1)
     rows = []

@@ -23,7 +23,7 @@ from cluster.model_fetch import fetch_default_model
 def run(model_dir: str, prompts: list[list[int]], max_tokens: int, write_through: bool) -> dict:
     directory = Path(tempfile.mkdtemp(prefix="pagoda-wt-"))
     tiers = dict(disk_kv_bytes=8 << 30, kv_cache_dir=str(directory), kv_write_through=True) if write_through else {}
-    engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=2048, max_num_seqs=len(prompts), **tiers))
+    engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=2048, max_num_seqs=len(prompts), **tiers))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -33,8 +33,8 @@ def run(model_dir: str, prompts: list[list[int]], max_tokens: int, write_through
     compute_s = time.perf_counter() - start
     written = 0
     if write_through:
-        engine.kv_cache.offload.flush()  # the background writes, after the last step
-        written = engine.kv_cache.offload.stats.spilled_blocks
+        engine.kv_connector.offload.flush()  # the background writes, after the last step
+        written = engine.kv_connector.offload.stats.spilled_blocks
     total_s = time.perf_counter() - start
     shutil.rmtree(directory, ignore_errors=True)
     tokens = len(prompts) * max_tokens

@@ -30,7 +30,7 @@ def decode_step_ms(llm: LLM, batch: int, steps: int = 20) -> float:
     ids = [f"d{batch}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
         engine.add_request(request_id, list(range(1000 + i, 1128 + i)), params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    while (stats := engine.stats()).num_waiting or stats.num_prefilling:
         engine.step()
     times = []
     for _ in range(steps):
@@ -67,8 +67,8 @@ def main() -> None:
         row = {"config": label, "decode_b1_ms": decode_step_ms(llm, 1), "decode_b32_ms": decode_step_ms(llm, 32),
                "prefill_512_ms": prefill_step_ms(llm)}
         if tp > 1:
-            row["collective"] = llm.engine.runner.ranks[0]["collective"]
-            llm.engine.runner.shutdown()
+            row["collective"] = llm.engine.executor.describe()[0]["collective"]
+            llm.shutdown()
         rows.append(row)
         print(json.dumps(row))
     ray.shutdown()

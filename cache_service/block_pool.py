@@ -147,10 +147,6 @@ class BlockPool:
         blocks, self._to_store = self._to_store, []
         return blocks
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            self._evict(block)
-
     def take_evicted(self) -> list[tuple[int, BlockHash]]:
         """(block id, hash) of the cached blocks allocated anew since the last call."""
         evicted, self._evicted = self._evicted, []

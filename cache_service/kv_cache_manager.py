@@ -6,20 +6,16 @@ The scheduler asks three things of it, each a pure bookkeeping step:
   cache_full_blocks(id, tokens, num_computed) after a step, so later requests can hit them
 and free(id) when a request ends or is preempted.
 
-With lower tiers it also holds, per request, the pages loaded for blocks after its device hit
-(`load_offloaded`), until the scheduler takes each run of them (`restorable_run`, `take_restored`)
-for the step that installs it; a block no tier had is a hole the request computes, and the runs
-after a hole are restored all the same.
+Which of a request's pages come from elsewhere (lower tiers, swap copies, another engine) is
+the engine's KV connector's business (cluster/engine/kv_connector.py); this is bookkeeping only.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cache_service.block_pool import Block, BlockPool
 from cache_service.hashing import BlockHash, hash_full_blocks, root_hash
-from cache_service.offload import KVOffload
 
 
 @dataclass(slots=True)
@@ -29,12 +25,6 @@ class _RequestBlocks:
     # Hashes of this request's full blocks, in order, as far as they have been computed.
     hashes: list[BlockHash] = field(default_factory=list)
     num_cached_blocks: int = 0
-    # Pages from the lower tiers for the blocks from `first block` on, loading or loaded, kept
-    # until the request is admitted (it may wait for device blocks over several steps).
-    prefetch: tuple[int, Future] | None = None
-    prefetch_taken: bool = False
-    # Loaded pages not yet installed: block index -> payload.
-    restore: dict[int, bytes] = field(default_factory=dict)
 
 
 class KVCacheManager:
@@ -44,17 +34,17 @@ class KVCacheManager:
         block_size: int,
         model_identity: str,
         enable_prefix_caching: bool = True,
-        offload: KVOffload | None = None,
+        lower_tiers: bool = False,
         write_through: bool = False,
     ):
+        """lower_tiers: cached blocks go down when they leave device memory (and once when first
+        shared), or with write_through every block as soon as it is full and computed, so that a
+        crash loses none; the pool records which (BlockPool.take_evicted / take_to_store)."""
         self.block_size = block_size
         self.model_identity = model_identity
-        self.offload = offload  # the tiers below device memory, if any
-        # Evicted blocks go down when they leave device memory, or (write-through) every block as
-        # soon as it is full and computed, so that a crash loses none.
-        self.write_through = offload is not None and write_through
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_evictions=offload is not None,
-                              record_shared=offload is not None, record_cached=self.write_through)
+        self.write_through = lower_tiers and write_through
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, record_evictions=lower_tiers,
+                              record_shared=lower_tiers, record_cached=self.write_through)
         self._requests: dict[str, _RequestBlocks] = {}
 
     @property
@@ -104,60 +94,10 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def prefetch(self, request_id: str, token_ids: list[int], salt: str | None = None) -> None:
-        """A request arrived: start loading, from the lower tiers, the prefix blocks after those in
-        device memory now, while it waits in the queue."""
-        if self.offload is None or not self.pool.enable_prefix_caching:
-            return
-        cached, _ = self.find_cached_prefix(request_id, token_ids, salt)
-        entry = self._requests[request_id]
-        entry.prefetch = (len(cached), self.offload.prefetch(entry.hashes[len(cached):]))
-
-    def load_offloaded(self, request_id: str, num_device_blocks: int) -> None:
-        """After `find_cached_prefix` found `num_device_blocks` in device memory: load the pages
-        that the lower tiers hold of the blocks after them (checked), from the request's
-        prefetch when it started at the same block, and hold them for `restorable_run`."""
+    def block_hashes(self, request_id: str) -> list[BlockHash]:
+        """The hashes of the request's full blocks, as far as the last lookup or step got."""
         entry = self._requests.get(request_id)
-        if self.offload is None or entry is None or not self.pool.enable_prefix_caching:
-            return
-        if entry.prefetch is not None and entry.prefetch[0] == num_device_blocks:
-            future = entry.prefetch[1]
-            # an earlier attempt to admit it may have taken it already (it ran out of blocks)
-            payloads = future.result() if entry.prefetch_taken else self.offload.take_prefetched(future)
-        else:
-            if entry.prefetch is not None:
-                self.offload.stats.prefetch_stale += 1
-            payloads = self.offload.load_now(entry.hashes[num_device_blocks:])
-            future = Future()
-            future.set_result(payloads)
-        entry.prefetch, entry.prefetch_taken = (num_device_blocks, future), True
-        entry.restore = {num_device_blocks + i: p for i, p in enumerate(payloads) if p is not None}
-
-    def restorable_run(self, request_id: str, num_computed_tokens: int) -> list[tuple[int, bytes]]:
-        """(block index, payload) of the loaded pages that continue the request from
-        num_computed_tokens without a gap; empty unless that is a block boundary."""
-        entry = self._requests.get(request_id)
-        if entry is None or not entry.restore or num_computed_tokens % self.block_size:
-            return []
-        run, index = [], num_computed_tokens // self.block_size
-        while index in entry.restore:
-            run.append((index, entry.restore[index]))
-            index += 1
-        return run
-
-    def next_restorable_token(self, request_id: str, num_tokens: int) -> int | None:
-        """The first token at or after num_tokens that a loaded page covers (where computing stops)."""
-        entry = self._requests.get(request_id)
-        starts = [i * self.block_size for i in entry.restore if i * self.block_size >= num_tokens] if entry else []
-        return min(starts, default=None)
-
-    def take_restored(self, request_id: str, run: list[tuple[int, bytes]]) -> None:
-        """The step that installs `run` was planned: the pages are the engine's now (a swap
-        copy's were never held here)."""
-        entry = self._requests[request_id]
-        for index, _ in run:
-            entry.restore.pop(index, None)
-        entry.prefetch = None
+        return list(entry.hashes) if entry else []
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup once its request is admitted (a request may be looked up again while

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cache_service import page_codec
+from cache_service.hashing import BlockHash
+from cache_service.tiers import Tier, build_tiers, promote
 
 
 @dataclass
@@ -45,7 +47,7 @@ class OffloadStats:
 
 
 class KVOffload:
-    def __init__(self, tiers: list, identity: dict, codec: int = page_codec.SHUFFLE_LZ4, decode_threads: int | None = None):
+    def __init__(self, tiers: list[Tier], identity: dict, codec: int = page_codec.SHUFFLE_LZ4, decode_threads: int | None = None):
         if not tiers:
             raise ValueError("KVOffload needs at least one tier")
         self.tiers = tiers
@@ -65,34 +67,34 @@ class KVOffload:
         """Whether some tier keeps pages after this process ends (disk, the cache service)."""
         return any(tier.outlives_process for tier in self.tiers)
 
-    def spill(self, blocks: list[tuple[bytes, np.ndarray]]) -> None:
-        """Queue evicted blocks (hash, payload copy) for the writer thread; returns at once."""
-        if blocks:
+    def spill(self, payloads: list[tuple[BlockHash, np.ndarray]]) -> None:
+        """Queue (block hash, payload copy) pairs for the writer thread; returns at once."""
+        if payloads:
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._writer.submit(self._write, blocks))
+            self._pending.append(self._writer.submit(self._write, payloads))
 
-    def load_blocks(self, keys: list[bytes]) -> list[bytes | None]:
-        """The payload of each key's page, None where no tier holds it or its page is bad.
-        One `contains` and one `get_many` per tier, whatever the number of keys."""
+    def load_blocks(self, block_hashes: list[BlockHash]) -> list[bytes | None]:
+        """The payload of each block_hash's page, None where no tier holds it or its page is bad.
+        One `contains` and one `get_many` per tier, whatever the number of block_hashes."""
         with self._lock:
-            holders = self._holders(keys)
+            holders = self._holders(block_hashes)
             pages: dict[int, bytes | None] = {}
             for t, tier in enumerate(self.tiers):
                 mine = [i for i, h in enumerate(holders) if h == t]
                 if mine:
-                    pages.update(zip(mine, tier.get_many([keys[i] for i in mine])))
+                    pages.update(zip(mine, tier.get_many([block_hashes[i] for i in mine])))
             # Checking and decoding is most of a restore's time: spread it over the cores (LZ4,
             # xxhash and numpy release the GIL); judging the results stays in order.
             found = list(pages)
-            decoded = dict(zip(found, self._decoders.map(lambda i: self._decode(keys[i], pages[i]), found)))
-            payloads = [self._accept(keys[i], pages[i], decoded[i], t) if t is not None else None
+            decoded = dict(zip(found, self._decoders.map(lambda i: self._decode(block_hashes[i], pages[i]), found)))
+            payloads = [self._accept(block_hashes[i], pages[i], decoded[i], t) if t is not None else None
                         for i, t in enumerate(holders)]
         self.stats.restored_blocks += sum(p is not None for p in payloads)
         return payloads
 
-    def prefetch(self, keys: list[bytes]) -> Future:
-        """Start loading `keys` (load_blocks in the background); see take_prefetched."""
-        return self._prefetcher.submit(self.load_blocks, keys)
+    def prefetch(self, block_hashes: list[BlockHash]) -> Future:
+        """Start loading `block_hashes` (load_blocks in the background); see take_prefetched."""
+        return self._prefetcher.submit(self.load_blocks, block_hashes)
 
     def take_prefetched(self, future: Future) -> list[bytes | None]:
         """A prefetch's payloads. One that found pages counts as on time when it had finished,
@@ -108,10 +110,10 @@ class KVOffload:
                 self.stats.prefetch_late += 1
         return payloads
 
-    def load_now(self, keys: list[bytes]) -> list[bytes | None]:
+    def load_now(self, block_hashes: list[BlockHash]) -> list[bytes | None]:
         """load_blocks on the caller's thread (no prefetch was usable), timed as waiting."""
         start = time.perf_counter()
-        payloads = self.load_blocks(keys)
+        payloads = self.load_blocks(block_hashes)
         self.stats.restore_wait_s += time.perf_counter() - start
         return payloads
 
@@ -126,38 +128,53 @@ class KVOffload:
             tiers = {t.name: t.describe() for t in self.tiers}
         return {"tiers": tiers, **self.stats.as_dict()}
 
-    def _write(self, blocks: list[tuple[bytes, np.ndarray]]) -> None:
+    def _write(self, payloads: list[tuple[BlockHash, np.ndarray]]) -> None:
         with self._lock:  # pages every tier has already (a restored block cached again): skip
-            held = [tier.contains([key for key, _ in blocks]) for tier in self.tiers]
-        blocks = [b for i, b in enumerate(blocks) if not all(h[i] for h in held)]
-        pages = [(key, page_codec.encode(key, self.identity, payload, self.codec)) for key, payload in blocks]
+            held = [tier.contains([block_hash for block_hash, _ in payloads]) for tier in self.tiers]
+        payloads = [p for i, p in enumerate(payloads) if not all(h[i] for h in held)]
+        pages = [(block_hash, page_codec.encode(block_hash, self.identity, payload, self.codec))
+                 for block_hash, payload in payloads]
         with self._lock:
             stored = [tier.put_many(pages) for tier in self.tiers]
         self.stats.spilled_blocks += len(pages)
         self.stats.failed_spills += len(pages) - max(stored)
 
-    def _holders(self, keys: list[bytes]) -> list[int | None]:
-        """For each key, the index of the fastest tier that holds it (None: no tier does)."""
-        held = [tier.contains(keys) for tier in self.tiers] if keys else []
-        return [next((t for t in range(len(self.tiers)) if held[t][i]), None) for i in range(len(keys))]
+    def _holders(self, block_hashes: list[BlockHash]) -> list[int | None]:
+        """For each block_hash, the index of the fastest tier that holds it (None: no tier does)."""
+        held = [tier.contains(block_hashes) for tier in self.tiers] if block_hashes else []
+        return [next((t for t in range(len(self.tiers)) if held[t][i]), None) for i in range(len(block_hashes))]
 
-    def _decode(self, key: bytes, page: bytes | None) -> bytes | bytearray | page_codec.PageError | None:
+    def _decode(self, block_hash: bytes, page: bytes | None) -> bytes | bytearray | page_codec.PageError | None:
         if page is None:
             return None
         try:
-            return page_codec.decode(page, self.identity, key)
+            return page_codec.decode(page, self.identity, block_hash)
         except page_codec.PageError as e:
             return e
 
-    def _accept(self, key: bytes, page: bytes | None, decoded, t: int) -> bytes | None:
+    def _accept(self, block_hash: bytes, page: bytes | None, decoded, t: int) -> bytes | None:
         """The page's payload, or None when it is gone or failed its checks (rejected there)."""
         tier = self.tiers[t]
         if decoded is None:
             return None
         if isinstance(decoded, page_codec.PageError):
-            tier.reject(key, decoded.reason)
+            tier.reject(block_hash, decoded.reason)
             return None
-        for faster in self.tiers[:t]:  # promote: the next hit is faster
-            faster.put(key, page)
+        promote(self.tiers, t, block_hash, page)
         self.stats.restored_from[tier.name] += 1
         return decoded
+
+
+def build_offload(identity: dict, host_bytes: int = 0, disk_bytes: int = 0, directory: str | None = None,
+                  service_shards: int = 0, codec: str = "shuffle-lz4") -> KVOffload | None:
+    """The tiers below device memory (None when no bytes are given to any): host RAM and disk in
+    this process, or with `service_shards` > 0 the same caps in the shared CacheService actors."""
+    if not (host_bytes or disk_bytes):
+        return None
+    if service_shards:
+        from cache_service.service import shared_tier  # Ray, only when asked for
+
+        tiers = [shared_tier(identity, service_shards, host_bytes, disk_bytes, directory)]
+    else:
+        tiers = build_tiers(identity, host_bytes, disk_bytes, directory)
+    return KVOffload(tiers, identity, codec=page_codec.CODECS[codec])

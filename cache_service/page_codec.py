@@ -6,7 +6,8 @@
     6       1     codec: 0 raw, 1 lz4, 2 byte-shuffle + lz4
     7       1     element size in bytes (what the shuffle groups by)
     8       4     identity length I (UTF-8 JSON: model, weights hash, dtype, layers, KV heads,
-                  head dim, block size, TP rank/size; sorted keys, so equal identities are equal bytes)
+                  head dim, block size; not the TP degree: a page holds every KV head; sorted
+                  keys, so equal identities are equal bytes)
     12      8     payload length P (bytes stored)
     20      8     raw length (bytes after decoding)
     28      8     checksum: xxh3-64 of every other byte of the page (header fields, identity, key, payload)

@@ -3,7 +3,7 @@ host-RAM tier and a disk tier. Every engine replica of a model talks to the same
 named after the model identity), so a block spilled by one replica is a hit for another, and the
 pages outlive any one replica.
 
-    engine ──KVOffload──> SharedTier (this process): keys grouped by shard, one call per shard
+    engine ──KVOffload──> SharedTier (this process): block_hashes grouped by shard, one call per shard
                               └──> CacheService shard k (a Ray actor): HostTier + DiskTier
 
 Pages travel whole and checked end to end: the engine's KVOffload verifies every page it reads.
@@ -20,7 +20,7 @@ import ray.actor
 import ray.exceptions
 
 from cache_service import page_codec
-from cache_service.tiers import TierStats, build_tiers
+from cache_service.tiers import TierStats, build_tiers, promote
 
 NAMESPACE = "pagoda"
 logger = logging.getLogger("pagoda.cache_service")
@@ -32,22 +32,21 @@ class CacheService:
     def __init__(self, identity: dict, host_bytes: int, disk_bytes: int, directory: str | None):
         self.tiers = build_tiers(identity, host_bytes, disk_bytes, directory)
 
-    def contains(self, keys: list[bytes]) -> list[bool]:
-        found = [False] * len(keys)
+    def contains(self, block_hashes: list[bytes]) -> list[bool]:
+        found = [False] * len(block_hashes)
         for tier in self.tiers:
-            found = [f or c for f, c in zip(found, tier.contains(keys))]
+            found = [f or c for f, c in zip(found, tier.contains(block_hashes))]
         return found
 
-    def get(self, keys: list[bytes]) -> list[bytes | None]:
-        """Each key's page from the fastest tier that has it (a disk hit is promoted to host)."""
+    def get(self, block_hashes: list[bytes]) -> list[bytes | None]:
+        """Each block_hash's page from the fastest tier that has it (a disk hit is promoted to host)."""
         pages = []
-        for key in keys:
+        for block_hash in block_hashes:
             page = None
             for i, tier in enumerate(self.tiers):
-                page = tier.get(key)
+                page = tier.get(block_hash)
                 if page is not None:
-                    for faster in self.tiers[:i]:
-                        faster.put(key, page)
+                    promote(self.tiers, i, block_hash, page)
                     break
             pages.append(page)
         return pages
@@ -55,10 +54,10 @@ class CacheService:
     def put(self, pages: list[tuple[bytes, bytes]]) -> int:
         return max(tier.put_many(pages) for tier in self.tiers)  # a batch per tier (one directory fsync)
 
-    def reject(self, key: bytes, reason: str) -> None:
+    def reject(self, block_hash: bytes, reason: str) -> None:
         for tier in self.tiers:
-            if tier.contains([key])[0]:
-                tier.reject(key, reason)
+            if tier.contains([block_hash])[0]:
+                tier.reject(block_hash, reason)
 
     def describe(self) -> dict:
         return {t.name: t.describe() for t in self.tiers}
@@ -74,6 +73,7 @@ class SharedTier:
 
     name = "service"
     outlives_process = True  # detached actors
+    used_bytes = None  # held in the shards (describe() asks them)
 
     def __init__(self, connect: Callable[[int], ray.actor.ActorHandle], num_shards: int, timeout_s: float = 30.0):
         self._connect = connect
@@ -82,10 +82,10 @@ class SharedTier:
         self.stats = TierStats()
         self.shard_failures = 0
 
-    def _by_shard(self, keys: list[bytes]) -> dict[int, list[int]]:
+    def _by_shard(self, block_hashes: list[bytes]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(key[0] % len(self.shards), []).append(i)
+        for i, block_hash in enumerate(block_hashes):
+            groups.setdefault(block_hash[0] % len(self.shards), []).append(i)
         return groups
 
     def _call(self, calls: dict[int, ray.ObjectRef], failed) -> dict[int, object]:
@@ -101,42 +101,42 @@ class SharedTier:
                 answers[s] = failed
         return answers
 
-    def _gather(self, method: str, keys: list[bytes], missing) -> list:
-        groups = self._by_shard(keys)
-        answers = self._call({s: getattr(self.shards[s], method).remote([keys[i] for i in idx])
+    def _gather(self, method: str, block_hashes: list[bytes], missing) -> list:
+        groups = self._by_shard(block_hashes)
+        answers = self._call({s: getattr(self.shards[s], method).remote([block_hashes[i] for i in idx])
                               for s, idx in groups.items()}, None)
-        results: list = [missing] * len(keys)
+        results: list = [missing] * len(block_hashes)
         for s, values in answers.items():
             for i, value in zip(groups[s], values or [missing] * len(groups[s])):
                 results[i] = value
         return results
 
-    def contains(self, keys: list[bytes]) -> list[bool]:
-        return self._gather("contains", keys, False) if keys else []
+    def contains(self, block_hashes: list[bytes]) -> list[bool]:
+        return self._gather("contains", block_hashes, False) if block_hashes else []
 
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        pages = self._gather("get", keys, None) if keys else []
+    def get_many(self, block_hashes: list[bytes]) -> list[bytes | None]:
+        pages = self._gather("get", block_hashes, None) if block_hashes else []
         hits = sum(p is not None for p in pages)
         self.stats.hits += hits
         self.stats.misses += len(pages) - hits
         return pages
 
-    def get(self, key: bytes) -> bytes | None:
-        return self.get_many([key])[0]
+    def get(self, block_hash: bytes) -> bytes | None:
+        return self.get_many([block_hash])[0]
 
     def put_many(self, pages: list[tuple[bytes, bytes]]) -> int:
-        groups = self._by_shard([key for key, _ in pages])
+        groups = self._by_shard([block_hash for block_hash, _ in pages])
         answers = self._call({s: self.shards[s].put.remote([pages[i] for i in idx]) for s, idx in groups.items()}, 0)
         stored = sum(answers.values())
         self.stats.puts += stored
         return stored
 
-    def put(self, key: bytes, page: bytes) -> bool:
-        return self.put_many([(key, page)]) == 1
+    def put(self, block_hash: bytes, page: bytes) -> bool:
+        return self.put_many([(block_hash, page)]) == 1
 
-    def reject(self, key: bytes, reason: str) -> None:
+    def reject(self, block_hash: bytes, reason: str) -> None:
         self.stats.bad_pages[reason] = self.stats.bad_pages.get(reason, 0) + 1
-        self.shards[key[0] % len(self.shards)].reject.remote(key, reason)
+        self.shards[block_hash[0] % len(self.shards)].reject.remote(block_hash, reason)
 
     def describe_shards(self) -> list[dict]:
         answers = self._call({s: shard.describe.remote() for s, shard in enumerate(self.shards)}, {"error": "unavailable"})

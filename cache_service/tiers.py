@@ -1,9 +1,10 @@
-"""Storage tiers below device memory, behind one small interface: put / get / contains / discard /
+"""Storage tiers below device memory, behind one interface (`Tier`): put / get / contains /
 reject, a byte cap with LRU eviction, and counters. Pages are opaque bytes here: page_codec makes
 them and KVOffload checks each one it reads, calling `reject` on a page that fails (counted by
-reason; the disk tier moves the file to quarantine/). Keys are block hashes.
+reason; the disk tier moves the file to quarantine/). A page is keyed by its block's hash
+(cache_service/hashing.py: `BlockHash`).
 
-    HostTier   a dict in this process's RAM
+    HostTier   an LRU dict in this process's RAM
     DiskTier   one file per page in a directory (local NVMe): written to a temporary name, fsynced,
                renamed (the directory fsynced once per batch), so a crash leaves either the whole
                page or no page; on start the index is rebuilt from the files' headers (pages of
@@ -12,7 +13,8 @@ reason; the disk tier moves the file to quarantine/). Keys are block hashes.
                to quarantine/; a full or unwritable disk turns the tier off with a warning instead
                of failing requests.
 
-`build_tiers` orders them fastest first.
+`build_tiers` orders them fastest first; the shared CacheService tier (service.py) is the third
+implementation. A page found in a slower tier is copied into the faster ones (`promote`).
 """
 
 from __future__ import annotations
@@ -22,20 +24,49 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from cache_service import page_codec
+from cache_service.hashing import BlockHash
 
 logger = logging.getLogger("pagoda.tiers")
+
+
+class Tier(Protocol):
+    name: str
+    outlives_process: bool  # whether its pages survive this process (disk, the cache service)
+    stats: TierStats
+    used_bytes: int | None  # bytes it holds in this process (None: held elsewhere, as the service's)
+
+    def contains(self, block_hashes: list[BlockHash]) -> list[bool]: ...
+
+    def get_many(self, block_hashes: list[BlockHash]) -> list[bytes | None]: ...
+
+    def put(self, block_hash: BlockHash, page: bytes) -> bool: ...
+
+    def put_many(self, pages: list[tuple[BlockHash, bytes]]) -> int:
+        """Returns how many it stored (a full or broken tier stores fewer)."""
+
+    def reject(self, block_hash: BlockHash, reason: str) -> None:
+        """A page that failed its checks: counted by reason and never served again."""
+
+    def describe(self) -> dict: ...
+
+
+def promote(tiers: list[Tier], found_in: int, block_hash: BlockHash, page: bytes) -> None:
+    """A page found in tiers[found_in] goes into every faster tier: its next hit is faster."""
+    for faster in tiers[:found_in]:
+        faster.put(block_hash, page)
 
 
 class BatchedTier:
     """get_many / put_many for a local tier: plain loops (the shared tier batches them per call)."""
 
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        return [self.get(key) for key in keys]
+    def get_many(self, block_hashes: list[bytes]) -> list[bytes | None]:
+        return [self.get(block_hash) for block_hash in block_hashes]
 
     def put_many(self, pages: list[tuple[bytes, bytes]]) -> int:
-        return sum(self.put(key, page) for key, page in pages)
+        return sum(self.put(block_hash, page) for block_hash, page in pages)
 
     def describe(self) -> dict:
         return {"used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes, "pages": len(self),
@@ -66,39 +97,39 @@ class HostTier(BatchedTier):
         self.stats = TierStats()
         self._pages: OrderedDict[bytes, bytes] = OrderedDict()
 
-    def put(self, key: bytes, page: bytes) -> bool:
+    def put(self, block_hash: bytes, page: bytes) -> bool:
         if len(page) > self.capacity_bytes:
             return False
-        self.discard(key)
+        self.discard(block_hash)
         while self.used_bytes + len(page) > self.capacity_bytes:
             _, old = self._pages.popitem(last=False)
             self.used_bytes -= len(old)
             self.stats.evictions += 1
-        self._pages[key] = page
+        self._pages[block_hash] = page
         self.used_bytes += len(page)
         self.stats.puts += 1
         return True
 
-    def get(self, key: bytes) -> bytes | None:
-        page = self._pages.get(key)
+    def get(self, block_hash: bytes) -> bytes | None:
+        page = self._pages.get(block_hash)
         if page is None:
             self.stats.misses += 1
             return None
-        self._pages.move_to_end(key)
+        self._pages.move_to_end(block_hash)
         self.stats.hits += 1
         return page
 
-    def contains(self, keys: list[bytes]) -> list[bool]:
-        return [k in self._pages for k in keys]
+    def contains(self, block_hashes: list[bytes]) -> list[bool]:
+        return [k in self._pages for k in block_hashes]
 
-    def discard(self, key: bytes) -> None:
-        page = self._pages.pop(key, None)
+    def discard(self, block_hash: bytes) -> None:
+        page = self._pages.pop(block_hash, None)
         if page is not None:
             self.used_bytes -= len(page)
 
-    def reject(self, key: bytes, reason: str) -> None:
+    def reject(self, block_hash: bytes, reason: str) -> None:
         self.stats.bad_pages[reason] = self.stats.bad_pages.get(reason, 0) + 1
-        self.discard(key)
+        self.discard(block_hash)
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -116,7 +147,7 @@ class DiskTier(BatchedTier):
         self.used_bytes = 0
         self.stats = TierStats()
         self.enabled = True
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recent first
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # block_hash -> file size, least recent first
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._rebuild_index()
@@ -125,24 +156,24 @@ class DiskTier(BatchedTier):
 
     # ---- the interface --------------------------------------------------------------------
 
-    def put(self, key: bytes, page: bytes) -> bool:
-        return self.put_many([(key, page)]) == 1
+    def put(self, block_hash: bytes, page: bytes) -> bool:
+        return self.put_many([(block_hash, page)]) == 1
 
     def put_many(self, pages: list[tuple[bytes, bytes]]) -> int:
-        written = sum(self._write(key, page) for key, page in pages)
+        written = sum(self._write(block_hash, page) for block_hash, page in pages)
         if written and self.enabled:
             self._sync_directory()
         return written
 
-    def _write(self, key: bytes, page: bytes) -> bool:
+    def _write(self, block_hash: bytes, page: bytes) -> bool:
         if not self.enabled or len(page) > self.capacity_bytes:
             return False
-        if key in self._index:  # pages are immutable: the same key holds the same KV
-            self._index.move_to_end(key)
+        if block_hash in self._index:  # pages are immutable: the same block_hash holds the same KV
+            self._index.move_to_end(block_hash)
             return True
         while self.used_bytes + len(page) > self.capacity_bytes:
             self._evict_oldest()
-        path, tmp = self._path(key), self._path(key).with_suffix(self.TMP_SUFFIX)
+        path, tmp = self._path(block_hash), self._path(block_hash).with_suffix(self.TMP_SUFFIX)
         try:
             with open(tmp, "wb") as f:
                 f.write(page)
@@ -153,40 +184,40 @@ class DiskTier(BatchedTier):
             tmp.unlink(missing_ok=True)
             self._disable(e)
             return False
-        self._index[key] = len(page)
+        self._index[block_hash] = len(page)
         self.used_bytes += len(page)
         self.stats.puts += 1
         return True
 
-    def get(self, key: bytes) -> bytes | None:
-        if not self.enabled or key not in self._index:
+    def get(self, block_hash: bytes) -> bytes | None:
+        if not self.enabled or block_hash not in self._index:
             self.stats.misses += 1
             return None
         try:
-            data = self._path(key).read_bytes()
+            data = self._path(block_hash).read_bytes()
         except OSError:  # removed behind our back
-            self._forget(key)
+            self._forget(block_hash)
             self.stats.misses += 1
             return None
-        self._index.move_to_end(key)
+        self._index.move_to_end(block_hash)
         self.stats.hits += 1
         return data
 
-    def contains(self, keys: list[bytes]) -> list[bool]:
-        return [self.enabled and k in self._index for k in keys]
+    def contains(self, block_hashes: list[bytes]) -> list[bool]:
+        return [self.enabled and k in self._index for k in block_hashes]
 
-    def discard(self, key: bytes) -> None:
-        if key in self._index:
-            self._path(key).unlink(missing_ok=True)
-            self._forget(key)
+    def discard(self, block_hash: bytes) -> None:
+        if block_hash in self._index:
+            self._path(block_hash).unlink(missing_ok=True)
+            self._forget(block_hash)
 
     def __len__(self) -> int:
         return len(self._index)
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _path(self, key: bytes) -> Path:
-        return self.directory / f"{key.hex()}{self.SUFFIX}"
+    def _path(self, block_hash: bytes) -> Path:
+        return self.directory / f"{block_hash.hex()}{self.SUFFIX}"
 
     def _rebuild_index(self) -> None:
         for tmp in self.directory.glob(f"*{self.TMP_SUFFIX}"):  # writes a crash cut short
@@ -196,17 +227,17 @@ class DiskTier(BatchedTier):
             try:
                 with open(path, "rb") as f:
                     head = f.read(page_codec.HEADER_SIZE + 4096)
-                key, identity = page_codec.read_header(head)
+                block_hash, identity = page_codec.read_header(head)
             except OSError:
                 continue
             except page_codec.PageError as e:
                 if e.reason != "foreign":  # empty, cut short or not a page at all
                     self._quarantine(path, e.reason)
                 continue
-            if identity != self.identity or path.name != f"{key.hex()}{self.SUFFIX}":
+            if identity != self.identity or path.name != f"{block_hash.hex()}{self.SUFFIX}":
                 continue  # another model's page, or a misnamed file: never used, never counted
             size = path.stat().st_size
-            self._index[key] = size
+            self._index[block_hash] = size
             self.used_bytes += size
         while self.used_bytes > self.capacity_bytes:  # the cap may have shrunk since
             self._evict_oldest()
@@ -223,18 +254,18 @@ class DiskTier(BatchedTier):
             self._disable(e)
 
     def _evict_oldest(self) -> None:
-        key, _ = next(iter(self._index.items()))
-        self._path(key).unlink(missing_ok=True)
-        self._forget(key)
+        block_hash, _ = next(iter(self._index.items()))
+        self._path(block_hash).unlink(missing_ok=True)
+        self._forget(block_hash)
         self.stats.evictions += 1
 
-    def _forget(self, key: bytes) -> None:
-        self.used_bytes -= self._index.pop(key, 0)
+    def _forget(self, block_hash: bytes) -> None:
+        self.used_bytes -= self._index.pop(block_hash, 0)
 
-    def reject(self, key: bytes, reason: str) -> None:
+    def reject(self, block_hash: bytes, reason: str) -> None:
         """A page that failed its checks: counted, moved to quarantine/, never read again."""
-        self._quarantine(self._path(key), reason)
-        self._forget(key)
+        self._quarantine(self._path(block_hash), reason)
+        self._forget(block_hash)
 
     def _quarantine(self, path: Path, reason: str) -> None:
         self.stats.bad_pages[reason] = self.stats.bad_pages.get(reason, 0) + 1

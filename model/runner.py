@@ -9,9 +9,11 @@ It owns the weights and the KV cache tensors; which blocks a sequence uses is de
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -79,6 +81,7 @@ class ModelRunner:
         of the weights and of the KV cache, and `reduce` all-reduces partial sums across ranks.
         kv_put / kv_get move exported KV (model/kv_transfer.py); default: in-process."""
         self.config = ModelConfig.from_dir(model_dir)
+        self.tp_rank = tp_rank
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
         self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
         with torch.device(self.device), _default_dtype(dtype):
@@ -116,7 +119,7 @@ class ModelRunner:
         blocks = self.kv_cache[:, :, block_ids].movedim(2, 0).contiguous().cpu()
         return list(to_numpy(blocks))
 
-    def write_blocks(self, block_ids: tuple[int, ...], payloads: tuple[bytes, ...]) -> None:
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
         """From page payloads, which hold every KV head (any TP degree wrote them): this rank's heads."""
         c = self.config
         shape = (c.num_hidden_layers, 2, c.num_key_value_heads, self.block_size, c.head_dim)
@@ -128,6 +131,13 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.config, self.num_kv_heads, self.block_size, self.dtype)
+
+    def describe(self) -> list[dict]:
+        return [{"rank": self.tp_rank, "pid": os.getpid(), "kv_heads": self.num_kv_heads, "num_blocks": self.num_blocks,
+                 "max_model_len": self.max_model_len}]
+
+    def shutdown(self) -> None:
+        """Nothing to release: the tensors go with this object."""
 
     def prepare(self, seqs: list[SequenceInput]) -> StepTensors:
         # Decodes (one new token) first: attention batches them in one pass.

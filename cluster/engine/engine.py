@@ -1,11 +1,14 @@
 """LLMEngine: requests in, token deltas out, one step at a time.
 
-    add_request ──> Scheduler.schedule() ──plan──> ModelRunner.execute() ──sampled tokens──┐
-                                                                                         │
+    add_request ──> Scheduler.schedule() ──plan──> Executor.execute() ──sampled tokens──┐
+                        │  counts                        ^ payloads                      │
+                        └──────── KVConnector ───────────┘                               │
     deltas <── Request.append_output (detokenize, stop checks) <── update(plan, output) <─┘
 
-The engine owns the tokenizer, the model runner, the block manager and the scheduler. It is
-synchronous and single-threaded; the server (cluster/serve) runs its step loop in a thread.
+The engine owns the tokenizer, the block manager, the KV connector and the scheduler; it is handed
+an Executor (cluster/engine/executor.py: one process, or a tensor-parallel group) built from the
+config by `cluster.executor.factory`. It is synchronous and single-threaded; the server
+(cluster/serve) runs its step loop in a thread.
 
 A fault belongs to the request that caused it: a request whose numbers go bad fails alone
 (finish_reason "error"), and a step that raises is run once more, then in halves until each
@@ -17,25 +20,28 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
-from cache_service import KVCacheManager, page_codec
-from cache_service.offload import KVOffload
-from cache_service.tiers import build_tiers
+from cache_service import KVCacheManager
+from cache_service.offload import KVOffload, build_offload
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.errors import InvalidRequestError, WorkerLostError
+from cluster.engine.executor import Executor
+from cluster.engine.kv_connector import KVConnector
 from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.prompt import PromptEncoder
 from cluster.engine.request import FinishReason, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerPlan
-from model.loader import parse_dtype, weights_fingerprint
+from cluster.engine.stats import EngineStats
+from model.loader import weights_fingerprint
 from model.kv_transfer import KVImport
-from model.runner import ModelRunner, SampledToken, SequenceInput, StepOutput, kv_bytes_per_block
+from model.runner import SampledToken, SequenceInput, StepOutput
 from model.sampler import SamplingRow
 
 logger = logging.getLogger("pagoda.engine")
@@ -45,48 +51,36 @@ BROKEN_AFTER_FAILED_STEPS = 3
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, executor: Executor):
         self.config = config
         model_dir = Path(config.model)
-        runner_options = dict(
-            block_size=config.block_size,
-            num_blocks=config.num_blocks,
-            kv_cache_bytes=config.kv_cache_bytes,
-            max_model_len=config.max_model_len,
-            dtype=parse_dtype(config.dtype),
-            device=config.device,
-            quantization=config.quantization,
-        )
-        if config.tensor_parallel_size > 1:
-            from cluster.executor.tp_group import TPGroup
-
-            self.runner = TPGroup(str(model_dir), config.tensor_parallel_size, collective=config.tp_collective,
-                                  **runner_options)
-        else:
-            if config.kv_role is not None:  # KV goes to / comes from another process
-                import ray
-
-                runner_options.update(kv_put=ray.put, kv_get=ray.get)
-            self.runner = ModelRunner(model_dir, **runner_options)
-        self.model_config = self.runner.config
+        self.executor = executor
+        self.model_config = executor.config
         # A single request must always fit in the cache, or preempting it could never help.
-        self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * config.block_size)
+        self.max_model_len = min(executor.max_model_len, executor.num_blocks * config.block_size)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.prompts = PromptEncoder(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.model_identity = _model_identity(model_dir, config)
-        self.kv_cache = KVCacheManager(
-            self.runner.num_blocks, config.block_size, self.model_identity, config.enable_prefix_caching,
-            offload=self._build_offload(config), write_through=config.kv_write_through,
-        )
-        c = self.model_config
-        page_bytes = kv_bytes_per_block(c, c.num_key_value_heads, config.block_size, parse_dtype(config.dtype))
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.preemption_mode, prefetch=config.kv_prefetch,
-                                   swap_space_blocks=config.swap_space_bytes // page_bytes)
+        offload = self._build_offload(config)
+        self.kv_cache = KVCacheManager(executor.num_blocks, config.block_size, self.model_identity,
+                                       config.enable_prefix_caching, lower_tiers=offload is not None,
+                                       write_through=config.kv_write_through)
+        self.kv_connector = KVConnector(self.kv_cache, offload, executor, prefetch=config.kv_prefetch,
+                                        swap_space_blocks=config.swap_space_bytes // executor.bytes_per_block)
+        self.scheduler = Scheduler(self.kv_cache, self.kv_connector, config.max_num_batched_tokens,
+                                   config.max_num_seqs, config.preemption_mode)
         self._requests: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self.num_failed_steps_in_a_row = 0
+        self._last_step_s = self._last_execute_s = 0.0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """An engine with the executor its config asks for (cluster.executor.factory)."""
+        from cluster.executor.factory import build_executor
+
+        return cls(config, build_executor(config))
 
     # ---- input ---------------------------------------------------------------------------
 
@@ -131,7 +125,6 @@ class LLMEngine:
                     eos_token_ids=tuple(eos),
                     max_model_len=self.max_model_len,
                     salt=salt,
-                    export_kv=export_kv,
                 )
             )
             if params.seed is not None:
@@ -140,6 +133,7 @@ class LLMEngine:
         if prefilled is not None:
             return self._start_prefilled(children[0], prefilled)
         for child in children:
+            self.kv_connector.on_add(child, export=export_kv)
             self.scheduler.add(child)
         return []
 
@@ -148,7 +142,7 @@ class LLMEngine:
         this request's own params); unless it ends the request, queue the request with the KV."""
         if prefilled.generator_state is not None and request.request_id in self._generators:
             self._generators[request.request_id].set_state(prefilled.generator_state)
-        request.kv_import = prefilled.kv_parts
+        self.kv_connector.on_add(request, imported=prefilled.kv_parts)
         delta = self._append(request, SampledToken(prefilled.token_id, prefilled.logprobs))
         if not request.is_finished:
             self.scheduler.add(request)
@@ -171,19 +165,18 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestDelta]:
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
-        # Before the step overwrites blocks just handed out again: copy what must survive.
-        for request in plan.preempted:
-            if request.swap_out is not None:
-                block_ids, num_computed = request.swap_out
-                request.swapped, request.swap_out = (num_computed, self.runner.read_blocks(block_ids)), None
-        if self.kv_cache.offload is not None:
-            self._spill_evicted()
+        self.kv_connector.save_before_step()  # what the step would overwrite: swap copies, evicted pages
         if plan.is_empty:
             return []
-        deltas = self.update(plan, self._execute(self.build_inputs(plan)))
-        if self.kv_cache.offload is not None:  # blocks first shared (and, write-through, just filled)
-            self._spill(self.kv_cache.pool.take_to_store())
+        inputs = self.build_inputs(plan)
+        execute_start = time.perf_counter()
+        output = self._execute(inputs)
+        self._last_execute_s = time.perf_counter() - execute_start
+        deltas = self.update(plan, output)
+        self.kv_connector.store_shared()
+        self._last_step_s = time.perf_counter() - start
         return deltas
 
     @property
@@ -192,12 +185,12 @@ class LLMEngine:
         return self.num_failed_steps_in_a_row >= BROKEN_AFTER_FAILED_STEPS
 
     def _execute(self, inputs: list[SequenceInput]) -> StepOutput:
-        """runner.execute, with a fault kept to the requests it belongs to: a step that raises
+        """executor.execute, with a fault kept to the requests it belongs to: a step that raises
         runs once more (a passing fault), then in halves down to single requests; the requests
         that fail alone get an error in `failed`, the others their tokens. A lost worker is no
         request's fault: it is raised."""
         try:
-            output = self.runner.execute(inputs)
+            output = self.executor.execute(inputs)
         except WorkerLostError:
             raise
         except Exception:  # noqa: BLE001 - any fault: isolated below, logged once here
@@ -210,7 +203,7 @@ class LLMEngine:
 
     def _execute_apart(self, inputs: list[SequenceInput], indices: list[int], output: StepOutput) -> None:
         try:
-            part = self.runner.execute([inputs[i] for i in indices])
+            part = self.executor.execute([inputs[i] for i in indices])
         except WorkerLostError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -230,47 +223,33 @@ class LLMEngine:
     def spill_prefix_cache(self) -> int:
         """Move every cached block that no request holds down to the lower tiers, freeing device
         memory (a drain before a planned restart; benchmarks). Returns how many went down."""
-        if self.kv_cache.offload is None:
+        offload = self.kv_connector.offload
+        if offload is None:
             return 0
         pool = self.kv_cache.pool
         held = pool.allocate(pool.num_free_blocks)  # evicts (and records) every cached free block
         pool.free(held)
-        count = self._spill_evicted()
-        self.kv_cache.offload.flush()
+        count = self.kv_connector.spill(pool.take_evicted())
+        offload.flush()
         return count
 
-    def _spill_evicted(self) -> int:
-        """Cached blocks this schedule handed out for new contents: copy them now, before the
-        step overwrites them; the writer thread compresses and stores them."""
-        return self._spill(self.kv_cache.pool.take_evicted())
-
-    def _spill(self, blocks: list[tuple[int, bytes]]) -> int:
-        if blocks:
-            payloads = self.runner.read_blocks([block_id for block_id, _ in blocks])
-            self.kv_cache.offload.spill([(block_hash, payload) for (_, block_hash), payload in zip(blocks, payloads)])
-        return len(blocks)
-
     def build_inputs(self, plan: SchedulerPlan) -> list[SequenceInput]:
-        inputs = []
+        inputs, connector = [], self.kv_connector
         for s in plan.scheduled:
             request, start = s.request, s.request.num_computed_tokens
-            imported, restored = None, None
-            if request.kv_import is not None:  # installed once, before the request's first step
-                imported = KVImport(request.kv_import, request.kv_import_from, request.num_prompt_tokens)
-                request.kv_import = None
-            if s.restore:  # pages from a lower tier or a swap copy, into their blocks
-                block_ids = self.kv_cache.block_ids(request.request_id)
-                restored = [(block_ids[index], payload) for index, payload in s.restore]
+            block_ids = self.kv_cache.block_ids(request.request_id)
+            imported = connector.take_import(request.request_id)  # once, before the request's first step
+            # pages from a lower tier or a swap copy, into their blocks
+            restored = [(block_ids[index], payload) for index, payload in connector.take_install(request.request_id)]
             inputs.append(
                 SequenceInput(
                     new_token_ids=request.token_ids[start : start + s.num_new_tokens],
                     num_computed_tokens=start,
-                    block_ids=self.kv_cache.block_ids(request.request_id),
+                    block_ids=block_ids,
                     sampling=self._sampling_row(request) if s.samples else None,
-                    # from 0 on the first chunk: a prefix-cache hit must travel too
-                    export_kv_from=request.num_exported_tokens if request.export_kv else None,
-                    import_kv=imported,
-                    restore_blocks=restored,
+                    export_kv_from=connector.export_from(request.request_id),
+                    import_kv=KVImport(*imported, request.num_prompt_tokens) if imported else None,
+                    restore_blocks=restored or None,
                 )
             )
         return inputs
@@ -283,25 +262,25 @@ class LLMEngine:
             request = s.request
             if i in output.failed:
                 continue
-            if request.export_kv:
-                request.kv_parts += parts
-                request.num_exported_tokens = request.num_computed_tokens
+            self.kv_connector.on_exported(request.request_id, parts, request.num_computed_tokens)
             if token is not None:
                 deltas.append(self._append(request, token))
         return deltas
 
     def _append(self, request: Request, token: SampledToken) -> RequestDelta:
-        text = request.append_output(token.token_id, token.logprobs)
+        text = request.append_output(token.token_id)
         prefilled = None
         if request.finish_reason is not None:
-            if request.export_kv:
+            exported = self.kv_connector.take_exported(request.request_id)
+            if exported is not None:
                 generator = self._generators.get(request.request_id)
-                prefilled = PrefillResult(token.token_id, token.logprobs, request.kv_parts,
+                prefilled = PrefillResult(token.token_id, token.logprobs, exported,
                                           generator.get_state() if generator is not None else None)
             if request.status != RequestStatus.WAITING:  # a prefilled first token may end it unqueued
                 self.scheduler.finish(request, request.finish_reason)
             else:
                 request.status = RequestStatus.FINISHED
+                self.kv_connector.free(request.request_id)
             self._generators.pop(request.request_id, None)
             self._forget_if_done(request.parent_id)
         return RequestDelta(
@@ -338,23 +317,26 @@ class LLMEngine:
             self._requests.pop(parent_id, None)
 
     def _build_offload(self, config: EngineConfig) -> KVOffload | None:
-        if not (config.host_kv_bytes or config.disk_kv_bytes):
-            return None
         c = self.model_config
         # Pages hold every KV head whatever the TP degree (TPGroup.read_blocks joins the ranks'),
         # so the degree is not part of their identity: a TP=2 server's pages serve a TP=1 one.
         identity = {"model": self.model_identity, "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads,
                     "head_dim": c.head_dim, "block_size": config.block_size, "dtype": config.dtype}
-        if config.kv_cache_service_shards:
-            from cache_service.service import shared_tier
-
-            tiers = [shared_tier(identity, config.kv_cache_service_shards, config.host_kv_bytes,
-                                 config.disk_kv_bytes, config.kv_cache_dir)]
-        else:
-            tiers = build_tiers(identity, config.host_kv_bytes, config.disk_kv_bytes, config.kv_cache_dir)
-        return KVOffload(tiers, identity, codec=page_codec.CODECS[config.kv_page_codec])
+        return build_offload(identity, config.host_kv_bytes, config.disk_kv_bytes, config.kv_cache_dir,
+                             config.kv_cache_service_shards, config.kv_page_codec)
 
     # ---- introspection -------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        scheduler, pool = self.scheduler, self.kv_cache.pool
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_prefilling=sum(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running),
+            kv_blocks_total=self.num_blocks, kv_blocks_free=self.num_free_blocks,
+            prefix_cache_queried_tokens=pool.stats.num_queried_tokens, prefix_cache_hit_tokens=pool.stats.num_hit_tokens,
+            num_preemptions=scheduler.num_preemptions, num_swapped_in=self.kv_connector.num_swapped_in,
+            num_swapped_blocks=self.kv_connector.num_swapped_blocks,
+            last_step_s=self._last_step_s, last_execute_s=self._last_execute_s)
 
     @property
     def num_free_blocks(self) -> int:
@@ -362,7 +344,7 @@ class LLMEngine:
 
     @property
     def num_blocks(self) -> int:
-        return self.runner.num_blocks
+        return self.executor.num_blocks
 
 
 def _model_identity(model_dir: Path, config: EngineConfig) -> str:

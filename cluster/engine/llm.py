@@ -20,7 +20,7 @@ from cluster.engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str, **engine_options):
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_options))
+        self.engine = LLMEngine.from_config(EngineConfig(model=str(model), **engine_options))
         self._ids = itertools.count()
 
     def generate(
@@ -63,3 +63,7 @@ class LLM:
                     if delta.finished and result.finished:
                         progress.update(1)
         return list(results.values())
+
+    def shutdown(self) -> None:
+        """Release the executor's workers (a tensor-parallel group's actors)."""
+        self.engine.executor.shutdown()

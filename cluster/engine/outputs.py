@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from model.kv_transfer import KVPart
-from model.sampler import TokenLogprobs
+if TYPE_CHECKING:  # types only: the engine's bookkeeping imports nothing from model/ (no torch)
+    from model.kv_transfer import KVPart
+    from model.sampler import TokenLogprobs
 
 
 @dataclass(slots=True)

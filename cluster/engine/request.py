@@ -4,18 +4,18 @@ Tokens are one list, prompt then output; `num_computed_tokens` says how many of 
 in the cache. Scheduling only lets num_computed_tokens catch up with len(token_ids): a prompt is
 prefilled in chunks that way, a decode is a chunk of one, and a preempted request simply starts
 again from 0 (its full blocks are usually still in the prefix cache).
+
+KV that moves (restored pages, swap copies, disaggregation imports and exports) is not here: the
+engine's KV connector holds it, keyed by request id.
 """
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.sampling_params import SamplingParams
-from model.kv_transfer import KVPart
-from model.sampler import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -43,25 +43,11 @@ class Request:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     salt: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # Disaggregation. Prefill side: export this request's KV as it is computed, collected here.
-    export_kv: bool = False
-    num_exported_tokens: int = 0
-    kv_parts: list[KVPart] = field(default_factory=list)
-    # Decode side: KV of the prompt computed elsewhere, installed on admission (then dropped);
-    # the scheduler sets kv_import_from to the first position not already in the prefix cache.
-    kv_import: list[KVPart] | None = None
-    kv_import_from: int = 0
-    # Swap preemption: the blocks to copy out before the step (block ids, computed tokens), then
-    # the copy (computed tokens, a payload per block) until the request is admitted again.
-    swap_out: tuple[list[int], int] | None = None
-    swapped: tuple[int, list] | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -79,19 +65,13 @@ class Request:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    def append_output(self, token_id: int, logprobs: TokenLogprobs | None) -> str:
+    def append_output(self, token_id: int) -> str:
         """Add a sampled token; returns the text it completes (may be empty) and sets finish_reason
         when this token ends the generation."""
         self.token_ids.append(token_id)
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
         params = self.params
         self.detokenizer.add(token_id)
         if self.detokenizer.stopped:

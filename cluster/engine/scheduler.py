@@ -6,14 +6,15 @@ sequence cap (max_num_seqs), running requests first, oldest first, then waiting 
 order. A long prompt therefore prefills in chunks alongside other requests' decodes.
 
 KV that needs no compute (pages from a lower tier, a swap copy, a prefill engine's import) only
-needs blocks: a step installs a run of it (`ScheduledRequest.restore`) and jumps
-num_computed_tokens over it. A request computes up to the next such run, so a block that no
-tier held is recomputed and the blocks after it are still restored.
+needs blocks: the KV connector says how many tokens are ready and which block indices a step
+installs (`ScheduledRequest.restore`); the step jumps num_computed_tokens over them. A request
+computes up to the next such run, so a block that no tier held is recomputed and the blocks after
+it are still restored. The scheduler deals in counts and block indices only, never in bytes.
 
 When blocks run out for a running request, the newest running request is preempted (its blocks
 freed) until the older one fits. With preemption_mode "recompute" it starts again later, mostly
-from the prefix cache; with "swap" the engine copies its KV to host memory before the step and it
-comes back from there. No new request is admitted in a step that preempted.
+from the prefix cache; with "swap" the connector copies its KV to host memory before the step and
+it comes back from there. No new request is admitted in a step that preempted.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cache_service import KVCacheManager
+from cluster.engine.kv_connector import KVConnector
 from cluster.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -29,8 +31,8 @@ from cluster.engine.request import FinishReason, Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    # (block index, payload): pages this step writes into the request's blocks before it runs
-    restore: list[tuple[int, bytes]] = field(default_factory=list)
+    # block indices whose pages (held by the KV connector) this step writes in before it runs
+    restore: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -53,24 +55,16 @@ class SchedulerPlan:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 preemption_mode: str = "recompute", prefetch: bool = True, swap_space_blocks: int = 0):
+    def __init__(self, kv_cache: KVCacheManager, kv_connector: KVConnector, max_num_batched_tokens: int,
+                 max_num_seqs: int, preemption_mode: str = "recompute"):
         self.kv_cache = kv_cache
+        self.kv_connector = kv_connector
         self.swap = preemption_mode == "swap"
-        self.swap_space_blocks = swap_space_blocks
-        self.prefetch = prefetch
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.num_swapped_in = 0  # preempted requests that came back from host memory
-
-    @property
-    def num_swapped_blocks(self) -> int:
-        """Blocks that preempted requests hold in host memory now (or will, after this step)."""
-        return sum(len(r.swap_out[0]) if r.swap_out else len(r.swapped[1])
-                   for r in self.waiting if r.swap_out is not None or r.swapped is not None)
 
     @property
     def num_unfinished(self) -> int:
@@ -78,8 +72,6 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-        if self.prefetch and request.kv_import is None:
-            self.kv_cache.prefetch(request.request_id, request.token_ids, request.salt)
 
     def schedule(self) -> SchedulerPlan:
         plan = SchedulerPlan()
@@ -87,7 +79,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            restore = self.kv_cache.restorable_run(request.request_id, request.num_computed_tokens)
+            restore = self.kv_connector.restorable_run(request.request_id, request.num_computed_tokens)
             num_ready = request.num_computed_tokens + len(restore) * self.kv_cache.block_size
             num_new = self._num_new_tokens(request, num_ready, budget)
             while not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new):
@@ -97,7 +89,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self.kv_cache.take_restored(request.request_id, restore)
+                self.kv_connector.on_scheduled(request.request_id, restore)
                 request.num_computed_tokens = num_ready
                 plan.scheduled.append(ScheduledRequest(request, num_new, restore))
                 budget -= num_new
@@ -109,28 +101,16 @@ class Scheduler:
             request = self.waiting[0]
             cached, num_cached = self.kv_cache.find_cached_prefix(request.request_id, request.token_ids, request.salt)
             # KV imported from a prefill engine, swapped out at preemption, or restored from a
-            # lower tier needs no compute, only blocks (the engine writes it in before the step).
-            if request.kv_import is not None:
-                restore, num_ready = [], max(num_cached, request.num_prompt_tokens)
-            elif request.swapped is not None:
-                num_swapped, payloads = request.swapped
-                restore, num_ready = list(enumerate(payloads))[len(cached):], max(num_cached, num_swapped)
-            else:
-                self.kv_cache.load_offloaded(request.request_id, len(cached))
-                restore = self.kv_cache.restorable_run(request.request_id, num_cached)
-                num_ready = num_cached + len(restore) * self.kv_cache.block_size
+            # lower tier needs no compute, only blocks (written in before the step).
+            restore, num_ready = self.kv_connector.admit(request, len(cached))
             num_new = self._num_new_tokens(request, num_ready, budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new, cached, request.salt):
                 break
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
-            self.kv_cache.take_restored(request.request_id, restore)
+            self.kv_connector.on_scheduled(request.request_id, restore, num_device_tokens=num_cached)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
-            request.kv_import_from = num_cached
-            if request.swapped is not None:
-                request.swapped = None  # back in device memory (restored by this step)
-                self.num_swapped_in += 1
             self.running.append(request)
             plan.scheduled.append(ScheduledRequest(request, num_new, restore))
             budget -= num_new
@@ -140,7 +120,7 @@ class Scheduler:
         """Tokens to compute this step: up to the end, the budget, or the next run of pages that
         needs no compute (a later step installs it)."""
         end = request.num_tokens
-        next_restorable = self.kv_cache.next_restorable_token(request.request_id, num_ready)
+        next_restorable = self.kv_connector.next_restorable_token(request.request_id, num_ready)
         if next_restorable is not None:
             end = min(end, next_restorable)
         return min(end - num_ready, budget)
@@ -158,18 +138,15 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
-            request.swap_out = request.swapped = None  # its host memory goes now
         self.kv_cache.free(request.request_id)
+        self.kv_connector.free(request.request_id)  # a swap copy's host memory goes now
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
     def _preempt(self, request: Request) -> None:
-        num_blocks = self.kv_cache.num_blocks_for(request.num_computed_tokens)
-        if self.swap and 0 < num_blocks <= self.swap_space_blocks - self.num_swapped_blocks:
-            # the engine copies these before the step; without room in swap space: recompute
-            request.swap_out = (self.kv_cache.block_ids(request.request_id)[:num_blocks], request.num_computed_tokens)
+        # with swap, the connector copies its blocks before the step (recomputed if swap space is full)
+        self.kv_connector.on_preempt(request, self.kv_cache.num_blocks_for(request.num_computed_tokens), self.swap)
         self.kv_cache.free(request.request_id)
-        request.kv_import = None  # its blocks are gone: it is recomputed here from the start
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -42,13 +42,14 @@ class TPWorker:
                                   kv_put=ray.put, kv_get=ray.get, **runner_kwargs)
 
     def describe(self) -> dict:
-        context = ray.get_runtime_context()
-        return {"rank": self.rank, "pid": os.getpid(), "node_id": context.get_node_id(), "collective": self.collective,
-                "kv_heads": self.runner.num_kv_heads, "num_blocks": self.runner.num_blocks,
-                "max_model_len": self.runner.max_model_len}
+        node_id = ray.get_runtime_context().get_node_id()
+        return {**self.runner.describe()[0], "node_id": node_id, "collective": self.collective}
 
     def read_blocks(self, block_ids: list[int]) -> tuple[tuple[int, int], list[np.ndarray]]:
         return self.runner.kv_heads, self.runner.read_blocks(block_ids)
+
+    def write_blocks(self, pages: tuple[list[int], list[bytes]]) -> None:
+        self.runner.write_blocks(*pages)
 
     def execute(self, seqs):
         output = self.runner.execute(seqs)
@@ -94,6 +95,10 @@ class TPGroup:
         self.ranks = ray.get([w.describe.remote() for w in self.workers], timeout=600)
         self.num_blocks = num_blocks
         self.max_model_len = self.ranks[0]["max_model_len"]
+        self.bytes_per_block = kv_bytes_per_block(c, largest_kv, block_size, dtype)
+
+    def describe(self) -> list[dict]:
+        return self.ranks
 
     def read_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
         """Each block's KV with every head, joined from the ranks (the first holder of each head):
@@ -101,6 +106,11 @@ class TPGroup:
         parts = dict(reversed(_get_all([w.read_blocks.remote(block_ids) for w in self.workers])))
         heads = [parts[r] for r in sorted(parts)]
         return [np.concatenate([blocks[i] for blocks in heads], axis=2) for i in range(len(block_ids))]
+
+    def write_blocks(self, block_ids, payloads) -> None:
+        """Every rank takes its heads from the same pages: shipped through the object store once."""
+        shipped = ray.put((list(block_ids), list(payloads)))
+        _get_all([w.write_blocks.remote(shipped) for w in self.workers])
 
     def execute(self, seqs) -> StepOutput:
         # Pages to restore (every head) go to every rank: put them into the object store once.

@@ -9,7 +9,7 @@ from cluster.serve.errors import UnsupportedInputError
 from protos import inference_pb2 as pb
 
 
-def sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
+def grpc_sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
     has = sampling.HasField
     return SamplingParams(
         n=sampling.n if has("n") else 1,

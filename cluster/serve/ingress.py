@@ -44,10 +44,12 @@ from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
+    ChatResponseBuilder,
     CompletionRequest,
+    CompletionResponseBuilder,
     ResponseBuilder,
     error_body,
-    sampling_params,
+    openai_sampling_params,
 )
 from protos import inference_pb2 as pb
 
@@ -156,7 +158,7 @@ class Ingress:
                 with self._admission():
                     self._check_size(request.ByteSize())
                     prompt, messages = grpc_convert.prompt_or_messages(request)
-                    params = grpc_convert.sampling_params(request.sampling)
+                    params = grpc_convert.grpc_sampling_params(request.sampling)
                     first, deltas = await self._submit(prompt, messages, params)
             except Exception as e:
                 self._set_grpc_error(grpc_context, e)
@@ -227,23 +229,24 @@ class Ingress:
                 "engine": await self.llm.stats.remote(), "model": self.model_name}
 
     async def completions(self, raw: Request):
-        return await self._openai(raw, CompletionRequest, "completion")
+        return await self._openai(raw, CompletionRequest, self._completion_inputs, CompletionResponseBuilder)
 
     async def chat_completions(self, raw: Request):
-        return await self._openai(raw, ChatCompletionRequest, "chat")
+        return await self._openai(raw, ChatCompletionRequest, self._chat_inputs, ChatResponseBuilder)
 
-    async def _openai(self, raw: Request, model_cls, kind: str):
+    async def _openai(self, raw: Request, model_cls, inputs, builder_cls: type[ResponseBuilder]):
+        """One OpenAI route: its request model, how it becomes engine inputs, how answers look."""
         self.num_in_flight += 1
         streaming = False
         try:
-            response = await self._openai_response(raw, model_cls, kind)
+            response = await self._openai_response(raw, model_cls, inputs, builder_cls)
             streaming = isinstance(response, StreamingResponse)  # its body counts itself out
             return response
         finally:
             if not streaming:
                 self.num_in_flight -= 1
 
-    async def _openai_response(self, raw: Request, model_cls, kind: str):
+    async def _openai_response(self, raw: Request, model_cls, inputs, builder_cls: type[ResponseBuilder]):
         try:
             await self._ready()
         except Exception as e:
@@ -253,7 +256,7 @@ class Ingress:
             with self._admission():
                 body = await self._read_json(raw)
                 request = model_cls.model_validate(body)
-                prompt, messages, params, want_logprobs = self._openai_inputs(request, kind)
+                prompt, messages, params, want_logprobs = inputs(request)
                 first, deltas = await self._submit(prompt, messages, params)
         except ValidationError as e:
             err = e.errors()[0]
@@ -263,7 +266,7 @@ class Ingress:
             status, kind_name, _, message = _error_kind(e)
             headers = {"Retry-After": "1"} if status in (429, 503) else None
             return _http_error(status, message, kind_name, _field(e), headers)
-        builder = ResponseBuilder(kind, self.model_name, params.n, self._decode_token)
+        builder = builder_cls(self.model_name, params.n, self._decode_token)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(
@@ -300,11 +303,11 @@ class Ingress:
         self.limits.check_json_depth(parsed)
         return parsed
 
-    def _openai_inputs(self, request, kind: str):
-        if kind == "completion":
-            logprobs = request.logprobs
-            params = sampling_params(request, 16, logprobs)
-            return request.prompt, None, params, logprobs is not None
+    def _completion_inputs(self, request: CompletionRequest):
+        params = openai_sampling_params(request, 16, request.logprobs)
+        return request.prompt, None, params, request.logprobs is not None
+
+    def _chat_inputs(self, request: ChatCompletionRequest):
         messages = []
         for i, m in enumerate(request.messages):
             if isinstance(m.content, list):
@@ -319,7 +322,7 @@ class Ingress:
             request.max_tokens = request.max_completion_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         # Chat answers run until EOS by default, bounded by the context like OpenAI's API.
-        params = sampling_params(request, None, logprobs)
+        params = openai_sampling_params(request, None, logprobs)
         return None, messages, params, request.logprobs
 
     def _decode_token(self, token_id: int) -> str:

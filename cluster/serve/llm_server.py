@@ -33,6 +33,7 @@ import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_executor
 from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
@@ -139,9 +140,11 @@ class LLMServer:
         if self._worker_lost is not None:
             raise WorkerLostError(self._worker_lost)
         # The inbox is a fair count of what the engine thread has not taken yet.
-        if self._inbox.qsize() + len(self.engine.scheduler.waiting) >= self.max_waiting_requests:
+        if self._inbox.qsize() + self.engine.stats().num_waiting >= self.max_waiting_requests:
             raise EngineOverloadedError(f"more than {self.max_waiting_requests} requests are waiting; retry later")
-        self.engine.prompts.check(request.prompt_token_ids, request.params.max_tokens)
+        # The prompt itself was checked by the ingress; the engine checks it once more against
+        # its own capacity in add_request (a prefill and a decode engine may hold different
+        # numbers of blocks), and that error reaches the caller through its stream.
 
     async def _generate(self, request: GenerationRequest, arrival: float, export_kv: bool = False, prefilled=None):
         self._check_admission(request)
@@ -182,33 +185,23 @@ class LLMServer:
         }
 
     def stats(self) -> dict:
-        engine, pool = self.engine, self.engine.kv_cache.pool
-        return {
-            "num_running": len(engine.scheduler.running),
-            "num_waiting": len(engine.scheduler.waiting),
-            "num_streams": len(self._streams),
-            "kv_blocks_total": engine.num_blocks,
-            "kv_blocks_free": engine.num_free_blocks,
-            "kv_usage": pool.usage,
-            "prefix_cache_hit_rate": pool.stats.hit_rate,
-            "prefix_cache_queried_tokens": pool.stats.num_queried_tokens,
-            "num_preemptions": engine.scheduler.num_preemptions,
-        }
+        """The engine's stats as plain data (`pagoda status`), with this server's open streams."""
+        stats = self.engine.stats()
+        return {**dataclasses.asdict(stats), "num_streams": len(self._streams), "kv_usage": stats.kv_usage,
+                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate}
 
     def describe(self) -> dict:
         """This replica's engine: its role and its ranks, with where each one runs."""
         import ray
 
-        runner = self.engine.runner
-        ranks = getattr(runner, "ranks", None)
-        if ranks is None:  # TP=1: the model runs in this replica's own process
-            ranks = [{"rank": 0, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                      "kv_heads": runner.num_kv_heads, "num_blocks": runner.num_blocks}]
+        node_id = ray.get_runtime_context().get_node_id()  # a TP=1 executor runs in this process
+        ranks = [{"node_id": node_id, **rank} for rank in self.engine.executor.describe()]
+        offload = self.engine.kv_connector.offload
         return {"role": self.engine.config.kv_role or "colocated",
                 "tensor_parallel_size": self.engine.config.tensor_parallel_size,
                 "replica_pid": os.getpid(), "ranks": ranks, "stats": self.stats(),
                 # the tiers below device memory (may ask the shared cache service: not per step)
-                "kv_tiers": self.engine.kv_cache.offload.describe() if self.engine.kv_cache.offload else None}
+                "kv_tiers": offload.describe() if offload else None}
 
     def check_health(self) -> None:
         """Serve calls this periodically; a dead engine thread or a lost worker makes the replica
@@ -246,7 +239,7 @@ class LLMServer:
         # on a small CPU node; the engine is the node's main CPU consumer, so it takes them all.
         torch.set_num_threads(torch_threads or os.cpu_count() or 1)
         try:
-            engine = LLMEngine(EngineConfig(**engine_config))
+            engine = LLMEngine.from_config(EngineConfig(**engine_config))
         except BaseException as e:  # noqa: BLE001 - handed to __init__, which raises it
             built.set_exception(e)
             return
@@ -270,7 +263,7 @@ class LLMServer:
             except WorkerLostError as e:  # a TP rank's process died: this engine cannot run again
                 self._worker_lost = str(e)
                 logger.error("%s", self._worker_lost)
-                engine.runner.shutdown()  # the other ranks would wait in a collective forever
+                engine.executor.shutdown()  # the other ranks would wait in a collective forever
                 continue
             except Exception:  # not one request's fault (the engine isolates those): fail the running ones
                 logger.exception("engine step failed; failing the running requests")
@@ -278,9 +271,9 @@ class LLMServer:
                 continue
             for delta in deltas:
                 self._deliver(delta)
-            self.metrics.record_engine(self.stats())
-            if engine.kv_cache.offload is not None:
-                self.metrics.record_tiers(engine.kv_cache.offload)
+            self.metrics.record_engine(engine.stats())
+            if engine.kv_connector.offload is not None:
+                self.metrics.record_tiers(engine.kv_connector.offload)
         self._drain_inbox()
         self._fail_all(ServerDrainingError("the server stopped before this request finished; retry"))
         self._drain_kv(engine)
@@ -288,7 +281,7 @@ class LLMServer:
     def _drain_kv(self, engine: LLMEngine) -> None:
         """A planned stop (Serve stops the replica, `pagoda serve` is interrupted): the device
         prefix cache goes down to the tiers that outlive this process, so a restart finds it."""
-        offload = engine.kv_cache.offload
+        offload = engine.kv_connector.offload
         if offload is None or not offload.outlives_process or self._worker_lost is not None:
             return
         start = time.monotonic()

@@ -12,6 +12,8 @@ import time
 
 from ray.util import metrics
 
+from cluster.engine.stats import EngineStats
+
 logger = logging.getLogger("pagoda.metrics")
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
@@ -42,13 +44,13 @@ class EngineMetrics:
                                              tags, ("outcome",)))
         self.kv_tier_used = _gauge("pagoda_kv_tier_used_bytes", "Bytes held by a lower tier of this process", tags, ("tier",))
 
-    def record_engine(self, stats: dict) -> None:
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"])
-        self.kv_used.set(stats["kv_blocks_total"] - stats["kv_blocks_free"])
-        self.kv_free.set(stats["kv_blocks_free"])
-        self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
-        self.preemptions.update(stats["num_preemptions"])
+    def record_engine(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_used.set(stats.kv_blocks_used)
+        self.kv_free.set(stats.kv_blocks_free)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        self.preemptions.update(stats.num_preemptions)
 
     def record_tiers(self, offload) -> None:
         """From KVOffload's own counters (no calls to the cache service: this runs every step)."""
@@ -56,12 +58,13 @@ class EngineMetrics:
         self.kv_spilled.update(stats.spilled_blocks)
         for tier, count in stats.restored_from.items():
             self.kv_restored.update(count, {"tier": tier})
-        for outcome in ("on_time", "late", "stale"):
-            self.kv_prefetches.update(getattr(stats, f"prefetch_{outcome}"), {"outcome": outcome})
+        prefetches = {"on_time": stats.prefetch_on_time, "late": stats.prefetch_late, "stale": stats.prefetch_stale}
+        for outcome, count in prefetches.items():
+            self.kv_prefetches.update(count, {"outcome": outcome})
         for tier in offload.tiers:
             for reason, count in tier.stats.bad_pages.items():
                 self.kv_bad_pages.update(count, {"tier": tier.name, "reason": reason})
-            if hasattr(tier, "used_bytes"):  # local tiers; the service's shards report in `pagoda status`
+            if tier.used_bytes is not None:  # local tiers; the service's shards report in `pagoda status`
                 self.kv_tier_used.set(tier.used_bytes, {"tier": tier.name})
 
 

@@ -56,7 +56,7 @@ class ChatCompletionRequest(_CommonRequest):
     top_logprobs: int | None = None
 
 
-def sampling_params(request: _CommonRequest, default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def openai_sampling_params(request: _CommonRequest, default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """default_max_tokens None: until the context is full."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return SamplingParams(
@@ -90,11 +90,16 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
 
 
 class ResponseBuilder:
-    """Accumulates deltas for the non-streaming answer and shapes streaming chunks."""
+    """Accumulates deltas for the non-streaming answer and shapes streaming chunks. The two APIs
+    share everything but the shapes of a choice and of logprobs (the subclasses below)."""
 
-    def __init__(self, kind: Literal["completion", "chat"], model: str, n: int, decode_token):
-        self.kind, self.model = kind, model
-        self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
+    id_prefix: str
+    object_name: str  # the whole answer's "object"
+    chunk_object_name: str  # a streamed chunk's
+
+    def __init__(self, model: str, n: int, decode_token):
+        self.model = model
+        self.id = new_id(self.id_prefix)
         self.created = int(time.time())
         self.decode_token = decode_token  # token id -> its text, for logprobs
         self.texts = [""] * n
@@ -102,7 +107,6 @@ class ResponseBuilder:
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.num_prompt_tokens = 0
         self.num_completion_tokens = 0
-        self._sent_role = [False] * n
 
     def add(self, delta: RequestDelta) -> None:
         self.texts[delta.index] += delta.new_text
@@ -113,46 +117,73 @@ class ResponseBuilder:
 
     def chunk(self, delta: RequestDelta, want_logprobs: bool) -> dict:
         logprobs = self._logprobs(delta.new_logprobs) if want_logprobs else None
-        if self.kind == "completion":
-            choice = {"index": delta.index, "text": delta.new_text, "finish_reason": delta.finish_reason, "logprobs": logprobs}
-            return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": [choice]}
-        message = {"content": delta.new_text}
-        if not self._sent_role[delta.index]:
-            message["role"] = "assistant"
-            self._sent_role[delta.index] = True
-        choice = {"index": delta.index, "delta": message, "finish_reason": delta.finish_reason, "logprobs": logprobs}
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [choice]}
+        choice = {"index": delta.index, **self._chunk_choice(delta), "finish_reason": delta.finish_reason,
+                  "logprobs": logprobs}
+        return {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model,
+                "choices": [choice]}
 
     def usage_chunk(self) -> dict:
-        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
-                "usage": usage(self.num_prompt_tokens, self.num_completion_tokens)}
+        return {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage(self.num_prompt_tokens, self.num_completion_tokens)}
 
     def final(self, want_logprobs: bool) -> dict:
-        choices = []
-        for i, text in enumerate(self.texts):
-            logprobs = self._logprobs(self.logprobs[i]) if want_logprobs else None
-            if self.kind == "completion":
-                choices.append({"index": i, "text": text, "finish_reason": self.finish_reasons[i], "logprobs": logprobs})
-            else:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "finish_reason": self.finish_reasons[i], "logprobs": logprobs})
+        choices = [{"index": i, **self._final_choice(text), "finish_reason": self.finish_reasons[i],
+                    "logprobs": self._logprobs(self.logprobs[i]) if want_logprobs else None}
+                   for i, text in enumerate(self.texts)]
         return {
-            "id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion",
-            "created": self.created, "model": self.model, "choices": choices,
-            "usage": usage(self.num_prompt_tokens, self.num_completion_tokens),
+            "id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+            "choices": choices, "usage": usage(self.num_prompt_tokens, self.num_completion_tokens),
         }
 
+    def _chunk_choice(self, delta: RequestDelta) -> dict:
+        raise NotImplementedError
+
+    def _final_choice(self, text: str) -> dict:
+        raise NotImplementedError
+
     def _logprobs(self, entries) -> dict:
-        if self.kind == "chat":
-            return {"content": [
-                {"token": self.decode_token(e.token_id), "logprob": e.logprob, "bytes": list(self.decode_token(e.token_id).encode()),
-                 "top_logprobs": [{"token": self.decode_token(t), "logprob": lp, "bytes": list(self.decode_token(t).encode())} for t, lp in e.top]}
-                for e in entries
-            ]}
+        raise NotImplementedError
+
+
+class CompletionResponseBuilder(ResponseBuilder):
+    id_prefix, object_name, chunk_object_name = "cmpl", "text_completion", "text_completion"
+
+    def _chunk_choice(self, delta: RequestDelta) -> dict:
+        return {"text": delta.new_text}
+
+    def _final_choice(self, text: str) -> dict:
+        return {"text": text}
+
+    def _logprobs(self, entries) -> dict:
         return {
             "tokens": [self.decode_token(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{self.decode_token(t): lp for t, lp in e.top} for e in entries],
             "text_offset": [],
         }
+
+
+class ChatResponseBuilder(ResponseBuilder):
+    id_prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, model: str, n: int, decode_token):
+        super().__init__(model, n, decode_token)
+        self._sent_role = [False] * n
+
+    def _chunk_choice(self, delta: RequestDelta) -> dict:
+        message = {"content": delta.new_text}
+        if not self._sent_role[delta.index]:  # the first chunk of each choice names the role
+            message["role"] = "assistant"
+            self._sent_role[delta.index] = True
+        return {"delta": message}
+
+    def _final_choice(self, text: str) -> dict:
+        return {"message": {"role": "assistant", "content": text}}
+
+    def _logprobs(self, entries) -> dict:
+        def token(token_id: int, logprob: float) -> dict:
+            text = self.decode_token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]}
+                            for e in entries]}

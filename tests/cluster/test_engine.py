@@ -28,7 +28,7 @@ def test_pool_returns_to_free_count_after_finished_aborted_and_preempted(model_d
             assert engine.abort_request("r0")  # running
             assert engine.abort_request("r5")  # still waiting or running
         assert engine.num_free_blocks <= engine.num_blocks
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats().num_preemptions > 0
     assert finished == {"r1", "r2", "r3", "r4"}
     assert not engine.abort_request("r1")  # already finished
     assert engine.num_free_blocks == engine.num_blocks == 14

@@ -55,7 +55,7 @@ def test_nan_logits_of_one_request_fail_it_alone(llm, solo, monkeypatch):
 
 
 def test_a_step_that_raises_for_one_request_fails_that_request_alone(llm, solo, monkeypatch):
-    execute = llm.engine.runner.execute
+    execute = llm.engine.executor.execute
     calls = []
 
     def failing_execute(seqs):
@@ -64,7 +64,7 @@ def test_a_step_that_raises_for_one_request_fails_that_request_alone(llm, solo, 
             raise RuntimeError("a kernel fault of the test's")
         return execute(seqs)
 
-    monkeypatch.setattr(llm.engine.runner, "execute", failing_execute)
+    monkeypatch.setattr(llm.engine.executor, "execute", failing_execute)
     results = run(llm.engine, victim_at=1)
     assert results["q1"] == ([], "error", "the engine failed while running this request")
     for request_id in ("q0", "q2", "q3"):
@@ -79,7 +79,7 @@ def test_steps_that_fail_whatever_they_run_mark_the_engine_broken(llm, monkeypat
     def always_fails(seqs):
         raise RuntimeError("the device is gone")
 
-    monkeypatch.setattr(llm.engine.runner, "execute", always_fails)
+    monkeypatch.setattr(llm.engine.executor, "execute", always_fails)
     engine = llm.engine
     for i in range(3):
         assert not engine.is_broken

@@ -30,7 +30,7 @@ def answer(engine: LLMEngine, request_id: str, prompt: list[int]) -> list[int]:
 
 def small_engine(model_dir, tmp_path, host=True, disk=True) -> LLMEngine:
     # 48 blocks of 16 tokens: one 600-token prompt fits, a second one evicts the first's blocks
-    return LLMEngine(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
+    return LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
                                   host_kv_bytes=(64 << 20) if host else 0, disk_kv_bytes=(256 << 20) if disk else 0,
                                   kv_cache_dir=str(tmp_path / "kv")))
 
@@ -44,7 +44,7 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def cold(model_dir, prompts):
-    engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=64, enable_prefix_caching=False))
+    engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=64, enable_prefix_caching=False))
     return answer(engine, "cold", prompts[0])
 
 
@@ -52,7 +52,7 @@ def evict(engine, prompts):
     """Two other prompts need every block the doc's request held: its blocks are spilled, reused."""
     for i, other in enumerate(prompts[1]):
         answer(engine, f"other{i}", other)
-    engine.kv_cache.offload.flush()
+    engine.kv_connector.offload.flush()
     assert engine.kv_cache.find_cached_prefix("probe", prompts[0]) == ([], 0)  # gone from device memory
     engine.kv_cache.free("probe")
 
@@ -62,7 +62,7 @@ def test_evicted_prefix_comes_back_from_host_ram(model_dir, tmp_path, prompts, c
     assert answer(engine, "first", prompts[0]) == cold
     evict(engine, prompts)
     assert answer(engine, "again", prompts[0]) == cold
-    stats = engine.kv_cache.offload.describe()
+    stats = engine.kv_connector.offload.describe()
     assert stats["restored_from"]["host"] == len(prompts[0]) // 16 and stats["spilled_blocks"] > 0
     # the restore came from the prefetch started when the request arrived (waited for or not)
     assert stats["prefetch_on_time"] + stats["prefetch_late"] == 1 and stats["prefetch_stale"] == 0
@@ -76,7 +76,7 @@ def test_evicted_prefix_comes_back_from_disk_after_a_restart(model_dir, tmp_path
     del engine
     restarted = small_engine(model_dir, tmp_path, host=False)  # nothing in memory: only the files
     assert answer(restarted, "again", prompts[0]) == cold
-    assert restarted.kv_cache.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
+    assert restarted.kv_connector.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_a_damaged_page_on_disk_is_recomputed_with_the_same_answer(model_dir, tm
     victim.write_bytes(damage(victim.read_bytes(), kind))
     restarted = small_engine(model_dir, tmp_path, host=False)
     assert answer(restarted, "again", prompts[0]) == cold
-    stats = restarted.kv_cache.offload.describe()
+    stats = restarted.kv_connector.offload.describe()
     assert stats["restored_from"]["disk"] == len(prompts[0]) // 16 - 1  # all but the damaged page
     assert stats["tiers"]["disk"]["bad_pages"] == {reason: 1}
     assert not victim.exists() and (tmp_path / "kv" / "quarantine" / victim.name).exists()
@@ -109,8 +109,8 @@ def test_a_damaged_page_on_disk_is_recomputed_with_the_same_answer(model_dir, tm
 
 def count_computed_tokens(engine) -> list[int]:
     """Wraps the runner: the returned list grows by each step's computed token count."""
-    counts, execute = [], engine.runner.execute
-    engine.runner.execute = lambda seqs: counts.append(sum(len(s.new_token_ids) for s in seqs)) or execute(seqs)
+    counts, execute = [], engine.executor.execute
+    engine.executor.execute = lambda seqs: counts.append(sum(len(s.new_token_ids) for s in seqs)) or execute(seqs)
     return counts
 
 
@@ -122,7 +122,7 @@ def test_a_page_missing_from_the_middle_costs_one_blocks_recompute(model_dir, tm
     restarted = small_engine(model_dir, tmp_path, host=False)
     computed = count_computed_tokens(restarted)
     assert answer(restarted, "again", prompts[0]) == cold
-    assert restarted.kv_cache.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16 - 1
+    assert restarted.kv_connector.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16 - 1
     # the hole's 16 tokens, the tail after the last full block before the final token, 7 decodes
     tail = len(prompts[0]) - (len(prompts[0]) - 1) // 16 * 16
     assert sum(computed) == 16 + tail + 7
@@ -142,31 +142,31 @@ def chat_prompts(tokenizer):
 def test_a_chat_document_comes_back_whole_after_a_crash(model_dir, tmp_path, chat_prompts):
     """The shared head (system prompt) is never evicted, but it is written down once when a second
     request first shares it: after a crash (no drain) a new engine restores every block."""
-    cold_engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=64, enable_prefix_caching=False))
+    cold_engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=64, enable_prefix_caching=False))
     cold_answer = answer(cold_engine, "cold", chat_prompts[0])
     engine = small_engine(model_dir, tmp_path)
     answer(engine, "first", chat_prompts[0])
     for i, other in enumerate(chat_prompts[1]):
         answer(engine, f"other{i}", other)
-    engine.kv_cache.offload.flush()
+    engine.kv_connector.offload.flush()
     cached, _ = engine.kv_cache.find_cached_prefix("probe", chat_prompts[0])
     assert len(cached) == 1  # only the shared head is still in device memory
     del engine  # a crash: nothing more is moved down
     restarted = small_engine(model_dir, tmp_path, host=False)
     assert answer(restarted, "again", chat_prompts[0]) == cold_answer
-    assert restarted.kv_cache.offload.describe()["restored_from"]["disk"] == (len(chat_prompts[0]) - 1) // 16
+    assert restarted.kv_connector.offload.describe()["restored_from"]["disk"] == (len(chat_prompts[0]) - 1) // 16
 
 
 def test_blocks_are_written_down_once_when_first_shared(model_dir, tmp_path, prompts):
     engine = small_engine(model_dir, tmp_path, disk=False)
     head = prompts[0][:64]
     answer(engine, "a", head + [11] * 20)
-    engine.kv_cache.offload.flush()
-    assert engine.kv_cache.offload.stats.spilled_blocks == 0  # cached, not shared yet
+    engine.kv_connector.offload.flush()
+    assert engine.kv_connector.offload.stats.spilled_blocks == 0  # cached, not shared yet
     answer(engine, "b", head + [12] * 20)  # shares the 4 blocks of the head
     answer(engine, "c", head + [13] * 20)  # shares them again: nothing more to write
-    engine.kv_cache.offload.flush()
-    assert engine.kv_cache.offload.stats.spilled_blocks == 4
+    engine.kv_connector.offload.flush()
+    assert engine.kv_connector.offload.stats.spilled_blocks == 4
 
 
 def test_pages_of_other_weights_are_never_used(tmp_path, model_dir):
@@ -178,13 +178,13 @@ def test_pages_of_other_weights_are_never_used(tmp_path, model_dir):
              for name, seed in (("a", 0), ("b", 1))]
     prompt = list(range(100, 300))
     config = dict(num_blocks=32, max_num_batched_tokens=256, disk_kv_bytes=64 << 20, kv_cache_dir=str(tmp_path / "kv"))
-    first = LLMEngine(EngineConfig(model=paths[0], **config))
+    first = LLMEngine.from_config(EngineConfig(model=paths[0], **config))
     first_answer = answer(first, "a", prompt)
     assert first.spill_prefix_cache() == (len(prompt) - 1) // 16  # its pages are on disk
-    second = LLMEngine(EngineConfig(model=paths[1], **config))
+    second = LLMEngine.from_config(EngineConfig(model=paths[1], **config))
     second_answer = answer(second, "b", prompt)
-    assert second.kv_cache.offload.describe()["restored_blocks"] == 0
-    alone = LLMEngine(EngineConfig(model=paths[1], num_blocks=32, enable_prefix_caching=False))
+    assert second.kv_connector.offload.describe()["restored_blocks"] == 0
+    alone = LLMEngine.from_config(EngineConfig(model=paths[1], num_blocks=32, enable_prefix_caching=False))
     assert second_answer == answer(alone, "alone", prompt) != first_answer
     assert first.model_identity != second.model_identity
 
@@ -196,13 +196,13 @@ def test_two_engines_share_the_cache_service(server, model_dir, prompts, cold):
 
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
                   kv_cache_service_shards=2)
-    first, second = LLMEngine(EngineConfig(**config)), LLMEngine(EngineConfig(**config))
-    shared = first.kv_cache.offload.tiers[0]
+    first, second = LLMEngine.from_config(EngineConfig(**config)), LLMEngine.from_config(EngineConfig(**config))
+    shared = first.kv_connector.offload.tiers[0]
     try:
         assert answer(first, "first", prompts[0]) == cold
         assert first.spill_prefix_cache() >= len(prompts[0]) // 16
         assert answer(second, "second", prompts[0]) == cold
-        assert second.kv_cache.offload.describe()["restored_from"]["service"] == len(prompts[0]) // 16
+        assert second.kv_connector.offload.describe()["restored_from"]["service"] == len(prompts[0]) // 16
         pages = [shard["host"]["pages"] for shard in shared.describe_shards()]
         assert all(pages) and sum(pages) >= len(prompts[0]) // 16  # spread over both shards
     finally:
@@ -218,15 +218,15 @@ def test_a_second_engine_restores_a_chat_document_from_the_cache_service(server,
 
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
                   kv_cache_service_shards=2)
-    first, second = LLMEngine(EngineConfig(**config)), LLMEngine(EngineConfig(**config))
-    shared = first.kv_cache.offload.tiers[0]
+    first, second = LLMEngine.from_config(EngineConfig(**config)), LLMEngine.from_config(EngineConfig(**config))
+    shared = first.kv_connector.offload.tiers[0]
     try:
         first_answer = answer(first, "first", chat_prompts[0])
         for i, other in enumerate(chat_prompts[1]):
             answer(first, f"other{i}", other)
-        first.kv_cache.offload.flush()
+        first.kv_connector.offload.flush()
         assert answer(second, "second", chat_prompts[0]) == first_answer
-        assert second.kv_cache.offload.describe()["restored_from"]["service"] == (len(chat_prompts[0]) - 1) // 16
+        assert second.kv_connector.offload.describe()["restored_from"]["service"] == (len(chat_prompts[0]) - 1) // 16
     finally:
         for shard in shared.shards:
             ray.kill(shard)
@@ -234,14 +234,14 @@ def test_a_second_engine_restores_a_chat_document_from_the_cache_service(server,
 
 def test_an_unwritable_disk_tier_degrades_to_recompute(model_dir, prompts, cold, caplog):
     """A disk tier that cannot be written turns itself off; requests still get the same answer."""
-    engine = LLMEngine(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
+    engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
                                     disk_kv_bytes=64 << 20, kv_cache_dir="/proc/pagoda-cannot-write-here"))
     assert answer(engine, "first", prompts[0]) == cold
     evict(engine, prompts)
     assert answer(engine, "again", prompts[0]) == cold
-    disk = engine.kv_cache.offload.tiers[0]
+    disk = engine.kv_connector.offload.tiers[0]
     assert disk.enabled is False and "is off" in caplog.text
-    assert engine.kv_cache.offload.describe()["failed_spills"] > 0
+    assert engine.kv_connector.offload.describe()["failed_spills"] > 0
 
 
 def test_write_through_survives_a_crash_without_any_eviction(model_dir, tmp_path, prompts, cold):
@@ -249,15 +249,15 @@ def test_write_through_survives_a_crash_without_any_eviction(model_dir, tmp_path
     document still in device memory (nothing evicted) leaves it on disk for the next one."""
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
                   kv_cache_dir=str(tmp_path / "kv"), kv_write_through=True)
-    engine = LLMEngine(EngineConfig(**config))
+    engine = LLMEngine.from_config(EngineConfig(**config))
     assert answer(engine, "first", prompts[0]) == cold
-    engine.kv_cache.offload.flush()
+    engine.kv_connector.offload.flush()
     assert engine.kv_cache.pool.num_cached_blocks >= len(prompts[0]) // 16  # still all in device memory
     del engine  # a crash: no drain, no eviction
-    restarted = LLMEngine(EngineConfig(**config))
+    restarted = LLMEngine.from_config(EngineConfig(**config))
     assert answer(restarted, "again", prompts[0]) == cold
-    restarted.kv_cache.offload.flush()
-    stats = restarted.kv_cache.offload.describe()
+    restarted.kv_connector.offload.flush()
+    stats = restarted.kv_connector.offload.describe()
     assert stats["restored_from"]["disk"] == len(prompts[0]) // 16
     assert stats["spilled_blocks"] == 0  # restored (and re-computed identical) blocks are not written again
 
@@ -267,17 +267,17 @@ def test_a_tp2_engine_spills_and_restores_pages_that_a_tp1_engine_can_use(server
     and a TP=1 engine on the same directory restores them too, each with the cold run's answer."""
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
                   kv_cache_dir=str(tmp_path / "kv"))
-    tp2 = LLMEngine(EngineConfig(**config, tensor_parallel_size=2, tp_collective="gloo"))  # see TP2 in test_disaggregated_serving
+    tp2 = LLMEngine.from_config(EngineConfig(**config, tensor_parallel_size=2, tp_collective="gloo"))  # see TP2 in test_disaggregated_serving
     try:
         assert answer(tp2, "first", prompts[0]) == cold
         evict(tp2, prompts)
         assert answer(tp2, "again", prompts[0]) == cold
-        assert tp2.kv_cache.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
+        assert tp2.kv_connector.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
     finally:
-        tp2.runner.shutdown()
-    tp1 = LLMEngine(EngineConfig(**config))
+        tp2.executor.shutdown()
+    tp1 = LLMEngine.from_config(EngineConfig(**config))
     assert answer(tp1, "tp1", prompts[0]) == cold
-    assert tp1.kv_cache.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
+    assert tp1.kv_connector.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
 
 
 def test_a_prefill_engine_exports_the_blocks_it_restored(model_dir, tmp_path, prompts, cold):
@@ -288,8 +288,8 @@ def test_a_prefill_engine_exports_the_blocks_it_restored(model_dir, tmp_path, pr
     evict(prefill, prompts)
     prefill.add_request("doc", prompts[0], dataclasses.replace(GREEDY, max_tokens=1), export_kv=True)
     (last,) = run_to_end(prefill)["doc"]
-    assert prefill.kv_cache.offload.describe()["restored_from"]["host"] == len(prompts[0]) // 16
-    decode = LLMEngine(EngineConfig(model=model_dir, num_blocks=64))
+    assert prefill.kv_connector.offload.describe()["restored_from"]["host"] == len(prompts[0]) // 16
+    decode = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=64))
     first = decode.add_request("doc", prompts[0], GREEDY, prefilled=last.prefilled)
     assert [first[0].new_token_ids[0]] + [d.new_token_ids[0] for d in run_to_end(decode)["doc"]] == cold
 
@@ -301,8 +301,8 @@ def test_a_dead_cache_service_shard_is_a_miss_not_an_error(server, model_dir, pr
 
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
                   kv_cache_service_shards=2)
-    engine = LLMEngine(EngineConfig(**config))
-    shared = engine.kv_cache.offload.tiers[0]
+    engine = LLMEngine.from_config(EngineConfig(**config))
+    shared = engine.kv_connector.offload.tiers[0]
     try:
         assert answer(engine, "first", prompts[0]) == cold
         engine.spill_prefix_cache()

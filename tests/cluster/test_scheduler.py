@@ -1,4 +1,5 @@
 from cache_service import KVCacheManager
+from cluster.engine.kv_connector import KVConnector
 from cluster.engine.request import FinishReason, RequestStatus
 from cluster.engine.scheduler import Scheduler
 from tests.cluster.factories import make_request
@@ -8,7 +9,8 @@ BLOCK = 4
 
 def make_scheduler(num_blocks=16, budget=32, max_seqs=8):
     kv = KVCacheManager(num_blocks, BLOCK, "test-model")
-    return Scheduler(kv, budget, max_seqs), kv
+    connector = KVConnector(kv, offload=None, executor=None)  # no tiers, no swap: nothing to move
+    return Scheduler(kv, connector, budget, max_seqs), kv
 
 
 def run_step(scheduler, plan, next_token=7):
@@ -16,7 +18,7 @@ def run_step(scheduler, plan, next_token=7):
     samplers = [s.request for s in plan.scheduled if s.samples]
     scheduler.update(plan)
     for request in samplers:
-        request.append_output(next_token, None)
+        request.append_output(next_token)
         if request.finish_reason:
             scheduler.finish(request, request.finish_reason)
 

@@ -14,7 +14,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a t
 def tp2(server, model_dir):
     llm = LLM(model_dir, tensor_parallel_size=2, num_blocks=64)
     yield llm
-    llm.engine.runner.shutdown()
+    llm.engine.executor.shutdown()
 
 
 def test_tp2_greedy_and_seeded_outputs_equal_tp1(tp2, llm):
@@ -28,7 +28,7 @@ def test_tp2_greedy_and_seeded_outputs_equal_tp1(tp2, llm):
 
 
 def test_tp2_ranks_hold_their_kv_heads(tp2):
-    ranks = sorted(tp2.engine.runner.ranks, key=lambda r: r["rank"])
+    ranks = sorted(tp2.engine.executor.describe(), key=lambda r: r["rank"])
     assert [r["kv_heads"] for r in ranks] == [2, 1]  # SmolLM2's 3 KV heads: 2 + 1
     assert len({r["pid"] for r in ranks}) == 2 and all(r["num_blocks"] == 64 for r in ranks)
     # one host: deepspeed's shared-memory all-reduce, not gloo over TCP
@@ -44,9 +44,9 @@ def test_tp2_swap_preemption_gives_the_same_tokens(server, model_dir, llm):
     tight = LLM(model_dir, tensor_parallel_size=2, num_blocks=12, preemption_mode="swap", enable_prefix_caching=False)
     try:
         got = [o.outputs[0].token_ids for o in tight.generate(prompts, greedy)]
-        scheduler = tight.engine.scheduler
-        assert scheduler.num_preemptions > 0 and scheduler.num_swapped_in == scheduler.num_preemptions
+        stats = tight.engine.stats()
+        assert stats.num_preemptions > 0 and stats.num_swapped_in == stats.num_preemptions
         assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        assert tight.engine.num_free_blocks == 12 and scheduler.num_swapped_blocks == 0
+        assert tight.engine.num_free_blocks == 12 and stats.num_swapped_blocks == 0
     finally:
-        tight.engine.runner.shutdown()
+        tight.engine.executor.shutdown()
