@@ -28,7 +28,7 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
 from tests.conftest import PARITY_MAX_TOKENS
 from tests.hf_reference import check_all
-from tests.parity_prompts import DOC, parity_prompts
+from tests.parity_prompts import DOC, DOC_B, parity_prompts
 
 # The server-level TP groups use gloo: deepspeed's shared-memory all-reduce busy-waits, and on 2
 # cores shared with another CPU-bound process (Ray runs its workers at nice 15) a waiting rank
@@ -96,9 +96,18 @@ def answer(app, request: pb.GenerateRequest, timeout: float = 300) -> list[int]:
     return [t for r in app["stub"].Generate(request, metadata=app["metadata"], timeout=timeout) for t in r.token_ids]
 
 
+# Over a TP=2 group (gloo) each 2K-token prefill costs ~20 s here: the server-level parity runs every
+# parity prompt but two of the three 2.3K-token documents (kept: one long chat document and a
+# 750-token one, so chunked prefill and multi-block KV transfer are still crossed); the engine-level
+# TP tests and test_parity run them all.
+SERVER_PARITY = [i for i, p in enumerate(parity_prompts())
+                 if not (p.get("prompt", "").startswith(DOC_B[:100]) or "first topic" in str(p))]
+
+
 def parity_answers(app) -> list[list[int]]:
+    prompts = parity_prompts()
     with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(lambda p: answer(app, grpc_request(p)), parity_prompts()))
+        return list(pool.map(lambda i: answer(app, grpc_request(prompts[i])), SERVER_PARITY))
 
 
 def status(app) -> dict:
@@ -118,7 +127,7 @@ def server_with_model(server, model_dir):
 
 def test_tp2_colocated_server_matches_hf(server_with_model, references):
     with deployed(server_with_model, "pagoda-tp2", "/tp2", engine=TP2) as app:
-        check_all(parity_answers(app), references)
+        check_all(parity_answers(app), [references[i] for i in SERVER_PARITY])
         report = status(app)
     (group,) = report["groups"]
     assert group["deployment"] == "LLMServer" and group["role"] == "colocated" and group["tensor_parallel_size"] == 2
@@ -132,7 +141,7 @@ def test_tp2_colocated_server_matches_hf(server_with_model, references):
 def test_disaggregated_prefill_tp2_decode_tp1_matches_hf(server_with_model, references):
     with deployed(server_with_model, "pagoda-pd", "/pd", disaggregated=True,
                   prefill_engine=TP2) as app:
-        check_all(parity_answers(app), references)
+        check_all(parity_answers(app), [references[i] for i in SERVER_PARITY])
         report = status(app)
     groups = {g["deployment"]: g for g in report["groups"]}
     prefill, decode = groups["PrefillServer"], groups["LLMServer"]
