@@ -42,9 +42,8 @@ class KVCacheManager:
         crash loses none; the pool records which (BlockPool.take_evicted / take_to_store)."""
         self.block_size = block_size
         self.model_identity = model_identity
-        self.write_through = lower_tiers and write_through
         self.pool = BlockPool(num_blocks, enable_prefix_caching, record_evictions=lower_tiers,
-                              record_shared=lower_tiers, record_cached=self.write_through)
+                              record_shared=lower_tiers, record_cached=lower_tiers and write_through)
         self._requests: dict[str, _RequestBlocks] = {}
 
     @property
@@ -94,10 +93,11 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def block_hashes(self, request_id: str) -> list[BlockHash]:
-        """The hashes of the request's full blocks, as far as the last lookup or step got."""
+    def block_hashes(self, request_id: str, start: int = 0) -> list[BlockHash]:
+        """The hashes of the request's full blocks from block `start` on, as far as the last
+        lookup or step got."""
         entry = self._requests.get(request_id)
-        return list(entry.hashes) if entry else []
+        return entry.hashes[start:] if entry else []
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup once its request is admitted (a request may be looked up again while

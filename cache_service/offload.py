@@ -74,8 +74,8 @@ class KVOffload:
             self._pending.append(self._writer.submit(self._write, payloads))
 
     def load_blocks(self, block_hashes: list[BlockHash]) -> list[bytes | None]:
-        """The payload of each block_hash's page, None where no tier holds it or its page is bad.
-        One `contains` and one `get_many` per tier, whatever the number of block_hashes."""
+        """The payload of each block hash's page, None where no tier holds it or its page is bad.
+        One `contains` and one `get_many` per tier, whatever the number of blocks."""
         with self._lock:
             holders = self._holders(block_hashes)
             pages: dict[int, bytes | None] = {}
@@ -140,7 +140,7 @@ class KVOffload:
         self.stats.failed_spills += len(pages) - max(stored)
 
     def _holders(self, block_hashes: list[BlockHash]) -> list[int | None]:
-        """For each block_hash, the index of the fastest tier that holds it (None: no tier does)."""
+        """For each block hash, the index of the fastest tier that holds it (None: no tier does)."""
         held = [tier.contains(block_hashes) for tier in self.tiers] if block_hashes else []
         return [next((t for t in range(len(self.tiers)) if held[t][i]), None) for i in range(len(block_hashes))]
 

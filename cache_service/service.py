@@ -3,7 +3,7 @@ host-RAM tier and a disk tier. Every engine replica of a model talks to the same
 named after the model identity), so a block spilled by one replica is a hit for another, and the
 pages outlive any one replica.
 
-    engine ──KVOffload──> SharedTier (this process): block_hashes grouped by shard, one call per shard
+    engine ──KVOffload──> SharedTier (this process): block hashes grouped by shard, one call per shard
                               └──> CacheService shard k (a Ray actor): HostTier + DiskTier
 
 Pages travel whole and checked end to end: the engine's KVOffload verifies every page it reads.
@@ -39,7 +39,7 @@ class CacheService:
         return found
 
     def get(self, block_hashes: list[bytes]) -> list[bytes | None]:
-        """Each block_hash's page from the fastest tier that has it (a disk hit is promoted to host)."""
+        """The page of each block hash from the fastest tier that has it (a disk hit is promoted to host)."""
         pages = []
         for block_hash in block_hashes:
             page = None

@@ -168,7 +168,7 @@ class DiskTier(BatchedTier):
     def _write(self, block_hash: bytes, page: bytes) -> bool:
         if not self.enabled or len(page) > self.capacity_bytes:
             return False
-        if block_hash in self._index:  # pages are immutable: the same block_hash holds the same KV
+        if block_hash in self._index:  # pages are immutable: the same block hash holds the same KV
             self._index.move_to_end(block_hash)
             return True
         while self.used_bytes + len(page) > self.capacity_bytes:

@@ -39,9 +39,9 @@ from cluster.engine.request import FinishReason, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerPlan
 from cluster.engine.stats import EngineStats
-from model.loader import weights_fingerprint
+from model.loader import parse_dtype, weights_fingerprint
 from model.kv_transfer import KVImport
-from model.runner import SampledToken, SequenceInput, StepOutput
+from model.runner import SampledToken, SequenceInput, StepOutput, kv_bytes_per_block
 from model.sampler import SamplingRow
 
 logger = logging.getLogger("pagoda.engine")
@@ -65,8 +65,11 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(executor.num_blocks, config.block_size, self.model_identity,
                                        config.enable_prefix_caching, lower_tiers=offload is not None,
                                        write_through=config.kv_write_through)
+        # A swap copy holds every KV head (a TP group joins its ranks'): a whole page per block.
+        c = self.model_config
+        page_bytes = kv_bytes_per_block(c, c.num_key_value_heads, config.block_size, parse_dtype(config.dtype))
         self.kv_connector = KVConnector(self.kv_cache, offload, executor, prefetch=config.kv_prefetch,
-                                        swap_space_blocks=config.swap_space_bytes // executor.bytes_per_block)
+                                        swap_space_blocks=config.swap_space_bytes // page_bytes)
         self.scheduler = Scheduler(self.kv_cache, self.kv_connector, config.max_num_batched_tokens,
                                    config.max_num_seqs, config.preemption_mode)
         self._requests: dict[str, list[Request]] = {}
@@ -240,7 +243,7 @@ class LLMEngine:
             block_ids = self.kv_cache.block_ids(request.request_id)
             imported = connector.take_import(request.request_id)  # once, before the request's first step
             # pages from a lower tier or a swap copy, into their blocks
-            restored = [(block_ids[index], payload) for index, payload in connector.take_install(request.request_id)]
+            restored = list(zip([block_ids[i] for i in s.restore], connector.take_pages(request.request_id, s.restore)))
             inputs.append(
                 SequenceInput(
                     new_token_ids=request.token_ids[start : start + s.num_new_tokens],
@@ -330,13 +333,18 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         scheduler, pool = self.scheduler, self.kv_cache.pool
         return EngineStats(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running), num_waiting=self.num_waiting,
             num_prefilling=sum(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running),
             kv_blocks_total=self.num_blocks, kv_blocks_free=self.num_free_blocks,
             prefix_cache_queried_tokens=pool.stats.num_queried_tokens, prefix_cache_hit_tokens=pool.stats.num_hit_tokens,
             num_preemptions=scheduler.num_preemptions, num_swapped_in=self.kv_connector.num_swapped_in,
             num_swapped_blocks=self.kv_connector.num_swapped_blocks,
             last_step_s=self._last_step_s, last_execute_s=self._last_execute_s)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (safe to read from another thread: a length)."""
+        return len(self.scheduler.waiting)
 
     @property
     def num_free_blocks(self) -> int:

@@ -9,7 +9,7 @@ request id. As vLLM v1 splits its connector, it has two sides:
       pages spilled to the lower tiers).
 
     arrival ──on_add──> prefetch from the tiers (a thread) while the request waits
-    admission ──admit / restorable_run──> counts ──plan──> engine ──take_install──> payloads
+    admission ──admit / restorable_run──> block indices ──plan──> engine ──take_pages──> payloads
     preemption (swap) ──on_preempt──> block ids ──save_before_step──> a swap copy, held here
     step ran ──on_exported──> parts, handed out with the request's last token (take_exported)
 
@@ -41,7 +41,6 @@ class _PendingKV:
     pages: dict[int, bytes] = field(default_factory=dict)
     swapped_tokens: int | None = None  # a swap copy covers this many tokens (its last block partly)
     swap_out: list[int] | None = None  # block ids to copy before the step (preempted with swap)
-    install: list[tuple[int, bytes]] = field(default_factory=list)  # this step's pages, by block index
     # Disaggregation, decode side: the prompt's KV from a prefill engine, installed on admission
     # from the first position the prefix cache did not have.
     imported: list[KVPart] | None = None
@@ -80,7 +79,7 @@ class KVConnector:
             pending.imported, pending.exporting = imported, export
         if self.prefetch_enabled and imported is None:
             cached, _ = self.kv_cache.find_cached_prefix(request.request_id, request.token_ids, request.salt)
-            hashes = self.kv_cache.block_hashes(request.request_id)[len(cached):]
+            hashes = self.kv_cache.block_hashes(request.request_id, start=len(cached))
             self._get(request.request_id).prefetch = (len(cached), self.offload.prefetch(hashes))
 
     def admit(self, request: Request, num_device_blocks: int) -> tuple[list[int], int]:
@@ -91,9 +90,8 @@ class KVConnector:
         num_cached = num_device_blocks * self.block_size
         if pending is not None and pending.imported is not None:
             return [], max(num_cached, request.num_prompt_tokens)
-        if pending is not None and pending.swapped_tokens is not None:
-            run = sorted(i for i in pending.pages if i >= num_device_blocks)
-            return run, max(num_cached, pending.swapped_tokens)
+        if pending is not None and pending.swapped_tokens is not None:  # its last block may be partial
+            return self.restorable_run(request.request_id, num_cached), max(num_cached, pending.swapped_tokens)
         self._load_offloaded(request.request_id, num_device_blocks)
         run = self.restorable_run(request.request_id, num_cached)
         return run, num_cached + len(run) * self.block_size
@@ -111,7 +109,7 @@ class KVConnector:
         else:
             if pending.prefetch is not None:
                 self.offload.stats.prefetch_stale += 1
-            payloads = self.offload.load_now(self.kv_cache.block_hashes(request_id)[num_device_blocks:])
+            payloads = self.offload.load_now(self.kv_cache.block_hashes(request_id, start=num_device_blocks))
             future = Future()
             future.set_result(payloads)
         pending.prefetch, pending.prefetch_taken = (num_device_blocks, future), True
@@ -135,19 +133,17 @@ class KVConnector:
         starts = [i * self.block_size for i in pending.pages if i * self.block_size >= num_tokens] if pending else []
         return min(starts, default=None)
 
-    def on_scheduled(self, request_id: str, run: list[int], num_device_tokens: int | None = None) -> None:
-        """The step that installs `run` was planned. On admission (`num_device_tokens`: what the
-        prefix cache had), a swap copy is used up and an import starts after the cached prefix."""
+    def on_admitted(self, request_id: str, run: list[int], num_device_tokens: int) -> None:
+        """The request was admitted with `run` to install (its pages wait for `take_pages`) and
+        `num_device_tokens` in the prefix cache: an import starts after those, and a swap copy is
+        used up (its blocks before the run were in device memory still)."""
         pending = self._pending.get(request_id)
         if pending is None:
-            return
-        pending.install += [(index, pending.pages.pop(index)) for index in run]
-        if num_device_tokens is None:
             return
         pending.prefetch = None
         pending.import_from = num_device_tokens
         if pending.swapped_tokens is not None:
-            pending.swapped_tokens, pending.pages = None, {}
+            pending.swapped_tokens, pending.pages = None, {i: pending.pages[i] for i in run}
             self.num_swapped_in += 1
 
     def on_preempt(self, request: Request, num_computed_blocks: int, swap: bool) -> None:
@@ -155,7 +151,7 @@ class KVConnector:
         too: the prefix is recomputed here). With `swap`, its computed blocks are copied to host
         memory before this step overwrites them, if the swap space has room."""
         pending = self._get(request.request_id)
-        pending.prefetch, pending.pages, pending.install, pending.imported = None, {}, [], None
+        pending.prefetch, pending.pages, pending.imported = None, {}, None
         pending.swapped_tokens = None
         if swap and 0 < num_computed_blocks <= self.swap_space_blocks - self.num_swapped_blocks:
             pending.swap_out = self.kv_cache.block_ids(request.request_id)[:num_computed_blocks]
@@ -165,7 +161,7 @@ class KVConnector:
     def num_swapped_blocks(self) -> int:
         """Blocks that preempted requests hold in host memory now (or will, after this step)."""
         return sum(len(p.swap_out) if p.swap_out is not None else len(p.pages)
-                   for p in self._pending.values() if p.swapped_tokens is not None)
+                   for p in list(self._pending.values()) if p.swapped_tokens is not None)
 
     def free(self, request_id: str) -> None:
         """The request ended: whatever it held goes (swap copy, loaded pages, parts)."""
@@ -196,13 +192,10 @@ class KVConnector:
             self.offload.spill([(block_hash, payload) for (_, block_hash), payload in zip(cached, payloads)])
         return len(cached)
 
-    def take_install(self, request_id: str) -> list[tuple[int, bytes]]:
-        """(block index, payload) of the pages this step writes into the request's blocks."""
+    def take_pages(self, request_id: str, run: list[int]) -> list[bytes]:
+        """The payloads of the planned run's blocks, for the step that writes them in."""
         pending = self._pending.get(request_id)
-        if pending is None or not pending.install:
-            return []
-        install, pending.install = pending.install, []
-        return install
+        return [pending.pages.pop(index) for index in run] if run else []
 
     def take_import(self, request_id: str) -> tuple[list[KVPart], int] | None:
         """A prefill engine's KV for this request's first step (then dropped), and the first

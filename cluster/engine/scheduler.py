@@ -89,7 +89,6 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self.kv_connector.on_scheduled(request.request_id, restore)
                 request.num_computed_tokens = num_ready
                 plan.scheduled.append(ScheduledRequest(request, num_new, restore))
                 budget -= num_new
@@ -107,7 +106,7 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new, cached, request.salt):
                 break
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
-            self.kv_connector.on_scheduled(request.request_id, restore, num_device_tokens=num_cached)
+            self.kv_connector.on_admitted(request.request_id, restore, num_device_tokens=num_cached)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready

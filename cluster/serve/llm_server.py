@@ -33,9 +33,9 @@ import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
-from cluster.executor.factory import build_executor
 from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.sampling_params import SamplingParams
+from cluster.executor.factory import build_executor
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.errors import EngineOverloadedError, RequestFailedError, RequestTimeoutError, WorkerLostError
 from cluster.serve.metrics import EngineMetrics, start_gpu_telemetry
@@ -140,7 +140,7 @@ class LLMServer:
         if self._worker_lost is not None:
             raise WorkerLostError(self._worker_lost)
         # The inbox is a fair count of what the engine thread has not taken yet.
-        if self._inbox.qsize() + self.engine.stats().num_waiting >= self.max_waiting_requests:
+        if self._inbox.qsize() + self.engine.num_waiting >= self.max_waiting_requests:
             raise EngineOverloadedError(f"more than {self.max_waiting_requests} requests are waiting; retry later")
         # The prompt itself was checked by the ingress; the engine checks it once more against
         # its own capacity in add_request (a prefill and a decode engine may hold different
