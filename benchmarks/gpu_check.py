@@ -110,7 +110,7 @@ def step_times(model_dir: str, batches: tuple[int, ...]) -> dict:
         llm = LLM(model_dir, device=DEVICE, dtype=dtype, num_blocks=4096, max_num_seqs=128)
         engine = llm.engine
         for batch in batches:
-            params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+            params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
             for i in range(batch):
                 engine.add_request(f"b{batch}-{i}", list(range(100 + i, 228 + i)), params)  # 128-token prompts
             while (stats := engine.stats()).num_waiting or stats.num_prefilling:

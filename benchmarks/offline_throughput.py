@@ -59,7 +59,7 @@ def bench_step_vs_execute(llm, prompts, num_steps=20):
     """Run all prompts to the decode phase, then time engine steps: whole, and the executor's part
     of each (the model and sampling); the rest is the engine's own work (plan, inputs, update)."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"s{i}", p, params)
     while (stats := engine.stats()).num_waiting or stats.num_prefilling:

@@ -26,7 +26,7 @@ CONFIGS = [("TP=1", 1, "auto"), ("TP=2 gloo", 2, "gloo"), ("TP=2 deepspeed-shm",
 
 def decode_step_ms(llm: LLM, batch: int, steps: int = 20) -> float:
     engine = llm.engine
-    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
     ids = [f"d{batch}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
         engine.add_request(request_id, list(range(1000 + i, 1128 + i)), params)
