@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# OpenMP threads that sleep at a barrier instead of spinning: on a host shared with other busy
+# processes (CI), a spinning torch thread that loses its core stalls every parallel region of the
+# step (3-24x slower steps measured beside one CPU-bound process; docs/benchmarks.md). Set before
+# torch loads; the servers and Ray workers the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 # A test that uses one of these loads the real default model (or a server of it): slow.

@@ -72,7 +72,7 @@ def run_streams(max_tokens: int):
 
 def refused_while_draining() -> tuple[requests.Response, grpc.RpcError]:
     """New requests until one is refused (the replicas learn of the drain within ~0.25 s)."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # generous: on a busy host each "hi" can take seconds
     while True:
         r = requests.post(f"http://127.0.0.1:{HTTP}/v1/completions", timeout=30, json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code in (200, 503), r.text
@@ -85,7 +85,7 @@ def refused_while_draining() -> tuple[requests.Response, grpc.RpcError]:
 
 
 def exits_cleanly(proc: subprocess.Popen, children: list[psutil.Process]) -> None:
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=300) == 0
     time.sleep(10)
     alive = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [" ".join(p.cmdline()[:2]) for p in alive]

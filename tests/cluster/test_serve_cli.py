@@ -26,7 +26,7 @@ def descendants(pid: int) -> list[psutil.Process]:
 def stop_and_check_nothing_is_left(proc: subprocess.Popen, children: list[psutil.Process]) -> None:
     assert children, "the server started no Ray processes?"
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
-    proc.wait(timeout=90)
+    proc.wait(timeout=180)
     time.sleep(2)
     alive = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [" ".join(p.cmdline()[:3]) for p in alive]

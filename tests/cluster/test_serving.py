@@ -45,10 +45,10 @@ def collect(responses):
 
 
 def engine_stats(server) -> dict:
-    return requests.get(f"{server['http']}/v1/pagoda/stats", timeout=10).json()
+    return requests.get(f"{server['http']}/v1/pagoda/stats", timeout=60).json()
 
 
-def wait_idle(server, timeout_s=30.0) -> dict:
+def wait_idle(server, timeout_s=120.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = engine_stats(server)
@@ -182,12 +182,12 @@ def test_cancelled_streams_free_everything(stub, server):
         with ThreadPoolExecutor(10) as pool:
             list(pool.map(drop_streams, range(10)))
         start = time.monotonic()
-        stats = wait_idle(server, timeout_s=10.0)
+        stats = wait_idle(server, timeout_s=30.0)
         freed_after_s = time.monotonic() - start
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_streams"] == 0, (drop_streams, stats)
         assert stats["kv_blocks_free"] == total
         # generous: a busy host's step can take a second; a lost cancel would wait for 2000 tokens
-        assert freed_after_s < 10.0, (drop_streams, freed_after_s)
+        assert freed_after_s < 30.0, (drop_streams, freed_after_s)
 
 
 def test_overload_is_refused_fast_with_429_and_resource_exhausted(stub, server):
