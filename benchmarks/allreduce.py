@@ -14,7 +14,8 @@ import time
 import ray
 import torch
 
-from cluster.executor.tp_group import _free_port, _join_group
+from cluster.executor.tp_group import _join_group
+from cluster.ports import free_port
 
 HIDDEN = 576
 
@@ -44,7 +45,7 @@ def main() -> None:
     print("| collective | " + " | ".join(f"{r} rows (µs)" for r in rows) + " |")
     print("|---|" + "---:|" * len(rows))
     for shared_memory in (False, True):
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ranks = [Rank.remote(r, 2, init_method, shared_memory) for r in range(2)]
         name = ray.get(ranks[0].__ray_call__.remote(lambda self: self.collective))
         times = [max(ray.get([rank.microseconds.remote(n) for rank in ranks])) for n in rows]

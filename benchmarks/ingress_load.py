@@ -3,14 +3,17 @@ refusal come back when a wave of requests meets a full queue?
 
     python -m benchmarks.ingress_load [--wave 1000] [--out benchmarks/results/ingress_load.json]
 
-Starts `pagoda serve` (max_waiting_requests 32) on ports 18500/19500, then over loopback:
+Starts `pagoda serve` (max_waiting_requests 32) on ports 18500/19500, without and then with
+`--front-door` (HAProxy in front of the HTTP port), and each time, over loopback:
 1. /health every 20 ms while another client posts large prompts, one after another: a 1 MB body
    (refused by its length before tokenizing) and a 600 KB one (under that bound: tokenized, on the
    ingress's tokenizer thread, then refused as longer than the context). Reported: /health latency
    (median, p99, max) beside each, and alone.
 2. Long requests fill the engine and its queue; then a wave of `--wave` requests is sent: all at
-   once (aiohttp, one connection each), and again through 32 connections at a time. Reported: how
-   many got 429, and their latency from send to the answer (median, p99, max).
+   once (one connection each, opened before the wave; plain sockets: every request is written,
+   then every answer read, so the client's own per-request cost is not in the figure), and again
+   through 32 aiohttp connections at a time. Reported: how many got 429, and their latency from
+   send to the answer (median, p99, max).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import selectors
+import socket
 import statistics
 import subprocess
 import sys
@@ -35,12 +40,12 @@ HTTP, GRPC = 18500, 19500
 BASE = f"http://127.0.0.1:{HTTP}"
 
 
-def start_server() -> subprocess.Popen:
+def start_server(front_door: bool) -> subprocess.Popen:
     config = Path(tempfile.mkdtemp()) / "serve.yaml"
     config.write_text("applications:\n  - name: pagoda\n    args:\n      max_waiting_requests: 32\n"
                       "      engine: {max_num_seqs: 16}\n")
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config),
-                             "--http-port", str(HTTP), "--grpc-port", str(GRPC)],
+                             "--http-port", str(HTTP), "--grpc-port", str(GRPC), *(["--front-door"] if front_door else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     for line in proc.stdout:
         if line.startswith("pagoda ready"):
@@ -97,15 +102,47 @@ async def wave(num_requests: int, concurrency: int) -> dict:
             return await post(session, body)
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        fillers = [asyncio.create_task(post(session, long_body)) for _ in range(48)]  # 16 running + 32 waiting
+        # 16 running, then 32 waiting: sent at once, the last 16 would find the first ones still
+        # counted as waiting and be refused, leaving the queue half empty.
+        fillers = [asyncio.create_task(post(session, long_body)) for _ in range(16)]
+        await asyncio.sleep(2)
+        fillers += [asyncio.create_task(post(session, long_body)) for _ in range(32)]
         await asyncio.sleep(3)
-        results = await asyncio.gather(*[call(session, {"prompt": f"Request {i}", "max_tokens": 4})
-                                         for i in range(num_requests)])
+        refused_fillers = sum(1 for task in fillers if task.done() and task.result()[0] == 429)
+        if concurrency:
+            results = await asyncio.gather(*[call(session, {"prompt": f"Request {i}", "max_tokens": 4})
+                                             for i in range(num_requests)])
+        else:
+            results = await asyncio.to_thread(all_at_once, num_requests)
         for task in fillers:
             task.cancel()
     refused = [seconds for status, seconds in results if status == 429]
-    return {"wave": num_requests, "concurrency": concurrency or num_requests, "statuses": {str(s): sum(1 for x, _ in results if x == s) for s in {x for x, _ in results}},
+    return {"wave": num_requests, "concurrency": concurrency or num_requests, "refused_fillers": refused_fillers, "statuses": {str(s): sum(1 for x, _ in results if x == s) for s in {x for x, _ in results}},
             "refused_429": percentiles(refused) if refused else None}
+
+
+def all_at_once(num_requests: int) -> list[tuple[int, float]]:
+    """(status, seconds) of `num_requests` requests on connections opened beforehand: write them
+    all, then read every answer as it comes."""
+    sockets = [socket.create_connection(("127.0.0.1", HTTP)) for _ in range(num_requests)]
+    selector, sent, answers, results = selectors.DefaultSelector(), {}, {}, {}
+    for i, s in enumerate(sockets):
+        body = json.dumps({"prompt": f"Request {i}", "max_tokens": 4}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        sent[s], answers[s] = time.perf_counter(), b""
+        s.setblocking(False)
+        selector.register(s, selectors.EVENT_READ)
+    while len(results) < num_requests:
+        for key, _ in selector.select(timeout=120):
+            s = key.fileobj
+            chunk = s.recv(65536)
+            answers[s] += chunk
+            if not chunk:  # Connection: close, so the answer is whole
+                results[s] = (int(answers[s][9:12]), time.perf_counter() - sent[s])
+                selector.unregister(s)
+                s.close()
+    return list(results.values())
 
 
 def main() -> None:
@@ -113,22 +150,23 @@ def main() -> None:
     parser.add_argument("--wave", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ingress_load.json"))
     args = parser.parse_args()
-    server = start_server()
-    try:
-        rows = []
-        for label, body in [("alone", None),
-                            ("1 MB body (refused by length)", json.dumps({"prompt": "word " * 209_716}).encode()),
-                            ("600 KB body (tokenized, then refused)", json.dumps({"prompt": "word " * 120_000}).encode())]:
-            latency, statuses = health_latency_beside(body)
-            rows.append({"health_beside": label, **latency, "body_statuses": statuses})
-            print(rows[-1], flush=True)
-        for concurrency in (0, 32):
-            rows.append(asyncio.run(wave(args.wave, concurrency)))
-            print(rows[-1], flush=True)
-            time.sleep(20)  # the fillers' streams end
-    finally:
-        server.send_signal(2)
-        server.wait(timeout=120)
+    rows = []
+    for front_door in (False, True):
+        server = start_server(front_door)
+        try:
+            for label, body in [("alone", None),
+                                ("1 MB body (refused by length)", json.dumps({"prompt": "word " * 209_716}).encode()),
+                                ("600 KB body (tokenized, then refused)", json.dumps({"prompt": "word " * 120_000}).encode())]:
+                latency, statuses = health_latency_beside(body)
+                rows.append({"front_door": front_door, "health_beside": label, **latency, "body_statuses": statuses})
+                print(rows[-1], flush=True)
+            for concurrency in (0, 32):
+                rows.append({"front_door": front_door, **asyncio.run(wave(args.wave, concurrency))})
+                print(rows[-1], flush=True)
+                time.sleep(20)  # the fillers' streams end
+        finally:
+            server.send_signal(2)
+            server.wait(timeout=120)
     save_rows(args.out, rows)
 
 

@@ -64,9 +64,11 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
               help="Host memory for swapped-out KV (default 4); beyond it, preemption recomputes.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=None,
               help="On SIGTERM/Ctrl-C: seconds for requests in flight to finish (default 30); new ones get 503.")
+@click.option("--front-door", is_flag=True,
+              help="HAProxy in front of the HTTP port: a full queue's 429s come back at once, without Python.")
 def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp,
           device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through, preemption_mode, swap_space_gb,
-          drain_timeout) -> None:
+          drain_timeout, front_door) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground. SIGTERM or
     Ctrl-C drains it (new requests refused, those in flight finish), then stops Serve and Ray."""
     import os
@@ -97,6 +99,8 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
         engine["kv_write_through"] = True
     if drain_timeout is not None:
         args["drain_timeout_s"] = drain_timeout
+    if front_door:
+        args["front_door"] = True
     if preemption_mode:
         engine["preemption_mode"] = preemption_mode
     if kv_cache_dir or engine.get("disk_kv_bytes"):
@@ -132,6 +136,8 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
         sys.stdout.flush()
         while True:
             time.sleep(0.5)
+    except (RuntimeError, TimeoutError) as e:  # the front door or Serve did not start: say why, no traceback
+        raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         on_stop_signals(signal.SIG_IGN)  # a second signal must not cut the shutdown short
         if started:

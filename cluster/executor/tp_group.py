@@ -15,7 +15,6 @@ generators, so seeded sampling goes on exactly as with one process.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ import ray
 import torch
 
 from cluster.engine.errors import WorkerLostError
+from cluster.ports import free_port
 from model.config import ModelConfig
 from model.runner import ModelRunner, StepOutput, kv_bytes_per_block
 from model.tp_layout import head_shard
@@ -81,7 +81,7 @@ class TPGroup:
         bundle = {"CPU": cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         self.placement = placement_group([bundle] * tp_size, strategy="PACK")
         ray.get(self.placement.ready(), timeout=120)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"  # one host here; rank 0's node on a cluster
+        init_method = f"tcp://127.0.0.1:{free_port()}"  # one host here; rank 0's node on a cluster
         one_host = len(set(placement_group_table(self.placement)["bundles_to_node_id"].values())) == 1
         shared_memory = collective == "auto" and one_host
         worker = ray.remote(TPWorker)
@@ -187,9 +187,3 @@ def _get_all(refs: list) -> list:
         return ray.get(refs)
     except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
         raise WorkerLostError(f"a worker of this model server died ({type(e).__name__}); retry") from e
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

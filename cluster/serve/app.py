@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
 from cluster.serve.ingress import Ingress, build_fastapi_app
@@ -76,6 +76,15 @@ class AppConfig(BaseModel):
         max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}, health_check_period_s=2))
     ingress: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
         max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0}))
+    front_door: bool = Field(False, description="`pagoda serve` puts HAProxy in front of the HTTP port; it refuses "
+                             "generation requests with 429 while the ingress queue is full (cluster/serve/front_door.py)")
+    front_door_dir: str | None = Field(None, description="set by `pagoda serve`: where the ingress tells the front door")
+
+    @model_validator(mode="after")
+    def _one_ingress_behind_the_front_door(self):
+        if self.front_door and self.ingress.max_replicas != 1:
+            raise ValueError("front_door: needs exactly one Ingress replica (it mirrors that replica's queue)")
+        return self
 
 
 def check_app_args(args: dict) -> tuple[AppConfig, dict | None, dict]:
@@ -121,11 +130,15 @@ def build_app(args: dict | None = None):
     llm_server = serve.deployment(LLMServer, name="LLMServer", **decode_options).bind(
         engine_config=decode_engine, prefill_server=prefill_server, **common)
     ingress_cls = serve.ingress(build_fastapi_app)(Ingress)
-    # The ingress refuses at once what every server replica would refuse: their queues together.
-    max_pending = config.max_waiting_requests * config.llm_server.max_replicas
     ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
     return serve.deployment(ingress_cls, name="Ingress", **ingress_options).bind(
-        llm_server, limits=config.limits.model_dump(), max_pending_requests=max_pending)
+        llm_server, limits=config.limits.model_dump(), max_pending_requests=max_pending_requests(config),
+        front_door_dir=config.front_door_dir)
+
+
+def max_pending_requests(config: AppConfig) -> int:
+    """The ingress refuses at once what every server replica would refuse: their queues together."""
+    return config.max_waiting_requests * config.llm_server.max_replicas
 
 
 def _parse_cli_args(args: dict) -> dict:

@@ -40,6 +40,7 @@ from cluster.serve.errors import (
     WorkerLostError,
 )
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
+from cluster.serve.front_door import FrontDoorFlag
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.openai_protocol import (
@@ -94,7 +95,7 @@ def _field(exc: BaseException) -> str | None:
 
 class Ingress:
     def __init__(self, llm_server, model_name: str | None = None, limits: dict | None = None,
-                 max_pending_requests: int = 256):
+                 max_pending_requests: int = 256, front_door_dir: str | None = None):
         self.llm = llm_server  # DeploymentHandle to LLMServer
         self.model_name = model_name
         self.limits = InputLimits.model_validate(limits or {})
@@ -102,6 +103,8 @@ class Ingress:
         # beyond the bound, refused at once, before any work is spent on them.
         self.max_pending_requests = max_pending_requests
         self.num_pending_requests = 0
+        # With `pagoda serve --front-door`, HAProxy refuses while this replica's queue is full.
+        self._front_door = FrontDoorFlag(front_door_dir) if front_door_dir else None
         self.num_in_flight = 0  # requests being answered, streams included (what a drain waits for)
         self._drain = DrainWatcher(replica_name(self), lambda: self.num_in_flight)
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -130,10 +133,17 @@ class Ingress:
         if self.num_pending_requests >= self.max_pending_requests:
             raise EngineOverloadedError(f"more than {self.max_pending_requests} requests are waiting; retry later")
         self.num_pending_requests += 1
+        self._tell_front_door()
         try:
             yield
         finally:
             self.num_pending_requests -= 1
+            self._tell_front_door()
+
+    def _tell_front_door(self) -> None:
+        # A unix-socket round trip (~0.1 ms), and only when the state flips.
+        if self._front_door is not None:
+            self._front_door.set_full(self.num_pending_requests >= self.max_pending_requests)
 
     async def _submit(self, prompt, messages, params, timeout_s: float | None = None):
         """Check the limits, tokenize, and start streaming deltas. The first delta is awaited here,

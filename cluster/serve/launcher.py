@@ -10,11 +10,14 @@ from pathlib import Path
 import requests
 import yaml
 
+from cluster.ports import free_port
 from cluster.serve import drain as drain_module
-from cluster.serve.app import GRPC_SERVICER, build_app
+from cluster.serve.app import GRPC_SERVICER, build_app, check_app_args, max_pending_requests
+from cluster.serve.front_door import FrontDoor
 
 APP_NAME = "pagoda"
 _drain_signal = None  # the DrainSignal actor lives as long as this handle (owned by this driver)
+_front_door: FrontDoor | None = None
 
 
 def load_app_args(config_path: str | Path | None) -> dict:
@@ -52,10 +55,18 @@ def start(
                 address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                 _metrics_export_port=metrics_port,  # Prometheus scrapes Pagoda's metrics here
             )
-    global _drain_signal
+    global _drain_signal, _front_door
     _drain_signal = drain_module.start_drain_signal()  # before the replicas: each finds it at its first look
+    config = check_app_args(app_args)[0]
+    serve_http_port = http_port
+    if config.front_door:  # HAProxy takes the HTTP port; Serve's proxy listens behind it
+        serve_http_port = free_port()
+        _front_door = FrontDoor("127.0.0.1", http_port, serve_http_port, max_pending_requests(config),
+                                idle_timeout_s=(config.request_timeout_s or 3600) + 60)
+        _front_door.start()
+        app_args = {**app_args, "front_door_dir": str(_front_door.dir)}
     serve.start(
-        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+        http_options=HTTPOptions(host="127.0.0.1", port=serve_http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
     )
     serve.run(build_app(app_args), name=APP_NAME, route_prefix="/", blocking=False)
@@ -86,10 +97,15 @@ def stop() -> None:
     import ray
     from ray import serve
 
-    global _drain_signal
+    global _drain_signal, _front_door
     _drain_signal = None
-    if ray.is_initialized():
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+    try:
+        if ray.is_initialized():
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+    finally:
+        if _front_door is not None:
+            _front_door.stop()
+            _front_door = None

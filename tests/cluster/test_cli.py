@@ -81,3 +81,11 @@ def test_serve_refuses_a_bad_scale_out_shape_before_starting_anything(model_dir,
     assert result.returncode != 0
     assert message in result.stderr
     assert "pagoda ready" not in result.stdout and "Traceback" not in result.stderr
+
+
+def test_serve_refuses_a_front_door_before_several_ingress_replicas(model_dir, tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("applications:\n  - name: pagoda\n    args:\n      ingress: {num_replicas: 2}\n")
+    result = run("serve", "--model", model_dir, "--http-port", "18999", "--config", str(config), "--front-door")
+    assert result.returncode != 0
+    assert "front_door: needs exactly one Ingress replica" in result.stderr and "Traceback" not in result.stderr

@@ -1,8 +1,10 @@
 """`pagoda serve` (what `make serve` runs) and `serve run serve_config.yaml`, as users run them:
 each starts its own local Ray cluster, answers, and on Ctrl-C leaves no process behind."""
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -47,13 +49,13 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None:
 
 def test_pagoda_serve_prints_ready_answers_and_ctrl_c_stops_ray(model_dir, tmp_path):
     config = tmp_path / "serve.yaml"
-    config.write_text(
-        "applications:\n  - name: pagoda\n    args:\n      engine: {kv_cache_bytes: 134217728}\n"
-        "      llm_server: {ray_actor_options: {num_cpus: 0}}\n"
+    config.write_text(  # one running and one waiting request fill it
+        "applications:\n  - name: pagoda\n    args:\n      engine: {kv_cache_bytes: 134217728, max_num_seqs: 1}\n"
+        "      max_waiting_requests: 1\n      llm_server: {ray_actor_options: {num_cpus: 0}}\n"
     )
     proc = subprocess.Popen(
         [str(BIN / "pagoda"), "serve", "--model", model_dir, "--config", str(config),
-         "--http-port", "18200", "--grpc-port", "19200", "--num-cpus", "1"],
+         "--http-port", "18200", "--grpc-port", "19200", "--num-cpus", "1", "--front-door"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, cwd=ROOT,
     )
     try:
@@ -62,11 +64,42 @@ def test_pagoda_serve_prints_ready_answers_and_ctrl_c_stops_ray(model_dir, tmp_p
         r = requests.post("http://127.0.0.1:18200/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20, "temperature": 0})
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
-        stop_and_check_nothing_is_left(proc, descendants(proc.pid))
+        front_door_refuses_while_full_then_admits("http://127.0.0.1:18200")
+        stop_and_check_nothing_is_left(proc, descendants(proc.pid))  # HAProxy included
         assert proc.returncode == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def front_door_refuses_while_full_then_admits(base: str) -> None:
+    """One long stream runs, a second waits: the queue is full, so HAProxy answers the 429 (its
+    header says so); once both streams are gone, requests are admitted again."""
+    long = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    running = requests.post(f"{base}/v1/completions", json=long, stream=True, timeout=300)
+    assert running.status_code == 200  # its first token came: it runs
+    # The waiting one answers nothing until it runs, so it goes over a plain socket we can close.
+    body = json.dumps(long).encode()
+    host, port = base.removeprefix("http://").split(":")
+    waiting = socket.create_connection((host, int(port)))
+    waiting.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the second stream's place in the queue reaches the front door within moments
+            r = requests.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 429, r.text
+            if r.headers.get("x-pagoda-refused-by") == "front-door":
+                break
+            assert time.monotonic() < deadline
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        running.close()  # a closed connection cancels the request
+        waiting.close()
+    deadline = time.monotonic() + 120
+    while requests.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "the front door kept refusing after the queue emptied"
+        time.sleep(0.5)
 
 
 def test_serve_run_with_the_checked_in_config(model_dir):
