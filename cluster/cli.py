@@ -75,6 +75,7 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
     import signal
 
     from cluster.serve import launcher
+    from cluster.serve.front_door import FrontDoorError
 
     if (prefill_tp or decode_tp) and not disaggregated:
         raise click.UsageError("--prefill-tp and --decode-tp need --disaggregated (use --tp for one group)")
@@ -136,7 +137,7 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
         sys.stdout.flush()
         while True:
             time.sleep(0.5)
-    except (RuntimeError, TimeoutError) as e:  # the front door or Serve did not start: say why, no traceback
+    except (FrontDoorError, TimeoutError) as e:  # the front door or Serve did not start: say why, no traceback
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         on_stop_signals(signal.SIG_IGN)  # a second signal must not cut the shutdown short

@@ -95,7 +95,7 @@ def check_app_args(args: dict) -> tuple[AppConfig, dict | None, dict]:
     from model.config import ModelConfig
     from model.tp_layout import head_shard
 
-    config = AppConfig.model_validate(_parse_cli_args(args or {}))
+    config = parse_app_config(args)
     model = config.model
     if model is None:
         from cluster.model_fetch import fetch_default_model
@@ -134,6 +134,11 @@ def build_app(args: dict | None = None):
     return serve.deployment(ingress_cls, name="Ingress", **ingress_options).bind(
         llm_server, limits=config.limits.model_dump(), max_pending_requests=max_pending_requests(config),
         front_door_dir=config.front_door_dir)
+
+
+def parse_app_config(args: dict | None) -> AppConfig:
+    """The app args as options, without touching the model (check_app_args does that too)."""
+    return AppConfig.model_validate(_parse_cli_args(args or {}))
 
 
 def max_pending_requests(config: AppConfig) -> int:

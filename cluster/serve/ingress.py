@@ -131,7 +131,7 @@ class Ingress:
         there is no place."""
         self._drain.check_admission()
         if self.num_pending_requests >= self.max_pending_requests:
-            raise EngineOverloadedError(f"more than {self.max_pending_requests} requests are waiting; retry later")
+            raise EngineOverloadedError.queue_full(self.max_pending_requests)
         self.num_pending_requests += 1
         self._tell_front_door()
         try:

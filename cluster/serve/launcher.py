@@ -12,7 +12,7 @@ import yaml
 
 from cluster.ports import free_port
 from cluster.serve import drain as drain_module
-from cluster.serve.app import GRPC_SERVICER, build_app, check_app_args, max_pending_requests
+from cluster.serve.app import GRPC_SERVICER, build_app, max_pending_requests, parse_app_config
 from cluster.serve.front_door import FrontDoor
 
 APP_NAME = "pagoda"
@@ -57,7 +57,7 @@ def start(
             )
     global _drain_signal, _front_door
     _drain_signal = drain_module.start_drain_signal()  # before the replicas: each finds it at its first look
-    config = check_app_args(app_args)[0]
+    config = parse_app_config(app_args)
     serve_http_port = http_port
     if config.front_door:  # HAProxy takes the HTTP port; Serve's proxy listens behind it
         serve_http_port = free_port()

@@ -141,7 +141,7 @@ class LLMServer:
             raise WorkerLostError(self._worker_lost)
         # The inbox is a fair count of what the engine thread has not taken yet.
         if self._inbox.qsize() + self.engine.num_waiting >= self.max_waiting_requests:
-            raise EngineOverloadedError(f"more than {self.max_waiting_requests} requests are waiting; retry later")
+            raise EngineOverloadedError.queue_full(self.max_waiting_requests)
         # The prompt itself was checked by the ingress; the engine checks it once more against
         # its own capacity in add_request (a prefill and a decode engine may hold different
         # numbers of blocks), and that error reaches the caller through its stream.

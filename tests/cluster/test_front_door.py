@@ -18,7 +18,11 @@ class Upstream(BaseHTTPRequestHandler):
     """Stands in for Serve's HTTP proxy: /health, and a three-event SSE stream on any POST."""
 
     def do_GET(self):
-        self._send(b"ok", "text/plain")
+        self.send_response(200)
+        self.send_header("content-type", "text/plain")
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("content-length", 0)))
@@ -39,13 +43,6 @@ class Upstream(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {i}\n\n".encode())
             self.wfile.flush()
         self.wfile.write(b"data: [DONE]\n\n")
-
-    def _send(self, body: bytes, content_type: str):
-        self.send_response(200)
-        self.send_header("content-type", content_type)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def log_message(self, *args):
         pass
