@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import signal
 
 # OpenMP threads that sleep at a barrier instead of spinning: on a host shared with other busy
 # processes (CI), a spinning torch thread that loses its core stalls every parallel region of the
 # step (3-24x slower steps measured beside one CPU-bound process; docs/benchmarks.md). Set before
 # torch loads; the servers and Ray workers the tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Ctrl-C as a terminal gives it: a shell that starts the suite in the background (`make test &`, a
+# CI runner's script) leaves SIGINT ignored, every process the tests start inherits that, and
+# Ray's `serve run` (which, unlike `pagoda serve`, sets no handler of its own) then never hears the
+# Ctrl-C its test sends. Handled here, SIGINT is back to its default in every child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
