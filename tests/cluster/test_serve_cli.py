@@ -85,8 +85,15 @@ def front_door_refuses_while_full_then_admits(base: str) -> None:
     waiting.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     try:
+        # Probe only once the second stream waits in the engine: a probe that got there first would
+        # itself take the one waiting place, and wait behind the 2000-token stream (seen beside a
+        # CPU-bound process, where the raw request took longer to arrive).
+        deadline = time.monotonic() + 120
+        while requests.get(f"{base}/v1/pagoda/stats", timeout=60).json()["num_waiting"] < 1:
+            assert time.monotonic() < deadline, "the second stream never reached the engine's queue"
+            time.sleep(0.2)
         deadline = time.monotonic() + 60
-        while True:  # the second stream's place in the queue reaches the front door within moments
+        while True:  # the flag follows the ingress's queue: 429s from it until then
             r = requests.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
             assert r.status_code == 429, r.text
             if r.headers.get("x-pagoda-refused-by") == "front-door":
