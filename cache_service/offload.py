@@ -166,15 +166,17 @@ class KVOffload:
 
 
 def build_offload(identity: dict, host_bytes: int = 0, disk_bytes: int = 0, directory: str | None = None,
-                  service_shards: int = 0, codec: str = "shuffle-lz4") -> KVOffload | None:
+                  service_shards: int = 0, codec: str = "shuffle-lz4",
+                  service_resources: dict[str, float] | None = None) -> KVOffload | None:
     """The tiers below device memory (None when no bytes are given to any): host RAM and disk in
-    this process, or with `service_shards` > 0 the same caps in the shared CacheService actors."""
+    this process, or with `service_shards` > 0 the same caps in the shared CacheService actors
+    (each asking Ray for `service_resources`, e.g. a custom resource that only NVMe nodes have)."""
     if not (host_bytes or disk_bytes):
         return None
     if service_shards:
         from cache_service.service import shared_tier  # Ray, only when asked for
 
-        tiers = [shared_tier(identity, service_shards, host_bytes, disk_bytes, directory)]
+        tiers = [shared_tier(identity, service_shards, host_bytes, disk_bytes, directory, service_resources)]
     else:
         tiers = build_tiers(identity, host_bytes, disk_bytes, directory)
     return KVOffload(tiers, identity, codec=page_codec.CODECS[codec])

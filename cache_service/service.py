@@ -147,16 +147,18 @@ class SharedTier:
         return {**self.stats.as_dict(), "shard_failures": self.shard_failures, "shards": self.describe_shards()}
 
 
-def shared_tier(identity: dict, num_shards: int, host_bytes: int, disk_bytes: int, directory: str | None) -> SharedTier:
+def shared_tier(identity: dict, num_shards: int, host_bytes: int, disk_bytes: int, directory: str | None,
+                resources: dict[str, float] | None = None) -> SharedTier:
     """The model's CacheService shards, started on first use and found by name afterwards (by any
-    replica, in any process of the cluster). Byte caps are split evenly across the shards."""
+    replica, in any process of the cluster). Byte caps are split evenly across the shards; each
+    shard asks Ray for `resources` (a custom resource of NVMe nodes pins the disk tier to them)."""
     tag = hashlib.sha256(page_codec.identity_bytes(identity)).hexdigest()[:12]
     actor = ray.remote(CacheService)
 
     def connect(k: int) -> ray.actor.ActorHandle:
         shard_dir = None if directory is None else f"{directory}/shard-{k}"
         return actor.options(name=f"kv-cache-{tag}-{k}", namespace=NAMESPACE, lifetime="detached",
-                             get_if_exists=True, num_cpus=0).remote(
+                             get_if_exists=True, num_cpus=0, resources=resources or {}).remote(
             identity, host_bytes // num_shards, disk_bytes // num_shards, shard_dir)
 
     return SharedTier(connect, num_shards)

@@ -66,9 +66,11 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
               help="On SIGTERM/Ctrl-C: seconds for requests in flight to finish (default 30); new ones get 503.")
 @click.option("--front-door", is_flag=True,
               help="HAProxy in front of the HTTP port: a full queue's 429s come back at once, without Python.")
+@click.option("--autoscale", default=None, metavar="MIN:MAX",
+              help="Autoscale the model server deployment(s) between MIN and MAX replicas on queue, KV and TTFT.")
 def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp,
           device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through, preemption_mode, swap_space_gb,
-          drain_timeout, front_door) -> None:
+          drain_timeout, front_door, autoscale) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground. SIGTERM or
     Ctrl-C drains it (new requests refused, those in flight finish), then stops Serve and Ray."""
     import os
@@ -76,6 +78,7 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
 
     from cluster.serve import launcher
     from cluster.serve.front_door import FrontDoorError
+    from cluster.serve.placement import AppDoesNotFitError
 
     if (prefill_tp or decode_tp) and not disaggregated:
         raise click.UsageError("--prefill-tp and --decode-tp need --disaggregated (use --tp for one group)")
@@ -104,6 +107,12 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
         args["front_door"] = True
     if preemption_mode:
         engine["preemption_mode"] = preemption_mode
+    if autoscale:
+        bounds = parse_replica_range(autoscale)
+        for server in ("llm_server", "prefill_server") if args.get("disaggregated") else ("llm_server",):
+            options = args.setdefault(server, {})
+            options["autoscaling_config"] = {**(options.get("autoscaling_config") or {}), **bounds}
+            options.pop("num_replicas", None)
     if kv_cache_dir or engine.get("disk_kv_bytes"):
         from cluster.model_fetch import pagoda_home
 
@@ -137,7 +146,7 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
         sys.stdout.flush()
         while True:
             time.sleep(0.5)
-    except (FrontDoorError, TimeoutError) as e:  # the front door or Serve did not start: say why, no traceback
+    except (FrontDoorError, AppDoesNotFitError, TimeoutError) as e:  # the front door or Serve did not start: say why, no traceback
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         on_stop_signals(signal.SIG_IGN)  # a second signal must not cut the shutdown short
@@ -261,6 +270,17 @@ def _print_result(i, line, text, token_ids, finish_reason, as_json) -> None:
         click.echo(f"[{i}] {shown}\n    -> {text.strip()}  ({finish_reason})")
 
 
+def parse_replica_range(text: str) -> dict:
+    """--autoscale MIN:MAX -> Serve's min/max/initial replicas."""
+    try:
+        low, high = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise click.BadParameter(f"expected MIN:MAX (e.g. 1:4), got {text!r}", param_hint="--autoscale") from None
+    if not 0 <= low <= high or high < 1:
+        raise click.BadParameter(f"need 0 <= MIN <= MAX and MAX >= 1, got {text!r}", param_hint="--autoscale")
+    return {"min_replicas": low, "max_replicas": high, "initial_replicas": max(low, 1)}
+
+
 @main.command()
 @click.option("--http", "http_address", default="127.0.0.1:8000", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -277,6 +297,9 @@ def status(http_address, as_json) -> None:
         return
     for name, dep in report.get("deployments", {}).items():
         click.echo(f"{name}: {dep['status']} replicas={dep['replicas']}")
+        if decision := dep.get("autoscaling"):
+            click.echo(f"  autoscaling: {decision['current_replicas']} running, Serve's target "
+                       f"{decision['target_replicas']}, policy asks {decision['num_replicas']}: {decision['reason']}")
     for key, value in report.get("engine", {}).items():
         click.echo(f"  {key}: {value}")
 
@@ -284,6 +307,31 @@ def status(http_address, as_json) -> None:
 @main.group()
 def bench() -> None:
     """Benchmark Pagoda or any OpenAI-compatible server; compare results."""
+
+
+def bench_ramp(target, label, spec, ramp, ramp_hold, ignore_eos, tokenizer_dir, warmup, out_path, plots_dir) -> None:
+    from cluster.bench import ramp as ramp_module
+    from cluster.bench import report
+    from cluster.bench.bench import run_ramp_bench
+
+    try:
+        ramp_spec = ramp_module.RampSpec.parse(ramp, hold_s=ramp_hold)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--ramp") from None
+    status_url = f"{target.rstrip('/').removesuffix('/v1')}/v1/pagoda/status" if target.startswith("http") else None
+    try:
+        result = run_ramp_bench(target, spec, ramp_spec, label=label, status_url=status_url, ignore_eos=ignore_eos,
+                                tokenizer_dir=tokenizer_dir, warmup=warmup, log=lambda m: click.echo(m, err=True))
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(report.ramp_table(result))
+    if out_path:
+        report.save(result, out_path)
+    if plots_dir:
+        path = Path(plots_dir) / f"{Path(out_path).stem if out_path else 'bench'}_ramp.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ramp_module.plot_timelines([result], path)
+        click.echo(f"plot: {path}", err=True)
 
 
 @bench.command("run")
@@ -309,8 +357,13 @@ def bench() -> None:
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Unmeasured requests first.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None, help="Write the result JSON here.")
 @click.option("--plots-dir", type=click.Path(file_okay=False), default=None, help="Write PNG plots here.")
+@click.option("--ramp", "ramp", default=None, metavar="LOW:HIGH:SECONDS",
+              help="A load ramp: users rise from LOW to HIGH over SECONDS, then fall; records a timeline "
+                   "(Pagoda targets: replicas, nodes, queue too).")
+@click.option("--ramp-hold", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Seconds at HIGH.")
 def bench_run(target, label, workload, num_prompts, input_len, output_len, range_ratio, turns, prompts_file, seed,
-              concurrency, request_rate, burstiness, ignore_eos, max_batch, slo, tokenizer_dir, warmup, out_path, plots_dir) -> None:
+              concurrency, request_rate, burstiness, ignore_eos, max_batch, slo, tokenizer_dir, warmup, out_path, plots_dir,
+              ramp, ramp_hold) -> None:
     """Send a workload to TARGET and report TTFT/TPOT/ITL/E2E, throughput, failures and goodput."""
     from cluster.bench import report
     from cluster.bench.bench import run_bench
@@ -330,6 +383,9 @@ def bench_run(target, label, workload, num_prompts, input_len, output_len, range
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--slo") from None
     spec = WorkloadSpec(workload, num_prompts, input_len, output_len, range_ratio, turns, prompts_file, seed)
+    if ramp:
+        bench_ramp(target, label, spec, ramp, ramp_hold, ignore_eos, tokenizer_dir, warmup, out_path, plots_dir)
+        return
     try:
         result = run_bench(target, spec, label=label, concurrencies=levels, request_rate=request_rate,
                            burstiness=burstiness, ignore_eos=ignore_eos, max_batch=max_batch, slo=slo_s,

@@ -52,6 +52,41 @@ def run_bench(
     return report.result_file(label or target, target, options, runs)
 
 
+def run_ramp_bench(target: str, spec: workloads.WorkloadSpec, ramp_spec, *, label: str | None = None,
+                   status_url: str | None = None, ignore_eos: bool = True, tokenizer_dir: str | None = None,
+                   warmup: int = 2, log=print) -> dict:
+    """A load ramp against the target, sampling `status_url` (Pagoda's /v1/pagoda/status) as it
+    goes; returns the ramp's result (timeline, samples, records)."""
+    from cluster.bench import ramp
+
+    tokenizer = _tokenizer(tokenizer_dir)
+    requests = workloads.build(spec, tokenizer)
+    warmup_requests = workloads.build(replace(spec, seed=spec.seed + 1_000_003), tokenizer)[:warmup]
+    sample = None
+    if status_url:
+        import requests as http
+
+        def sample():
+            return ramp.pagoda_state(http.get(status_url, timeout=30).json())
+
+    async def go():
+        backend = make_backend(target, ignore_eos=ignore_eos)
+        await backend.start()
+        try:
+            if warmup_requests:
+                await runner.run(backend, warmup_requests, concurrency=1, progress=False)
+            return await ramp.run_ramp(backend, requests, ramp_spec, sample)
+        finally:
+            await backend.close()
+
+    records, samples = asyncio.run(go())
+    result = ramp.ramp_result(label or target, ramp_spec, records, samples)
+    failed = sum(not r.ok for r in records)
+    log(f"{label or target} ramp {ramp_spec.low}->{ramp_spec.high} users over {ramp_spec.rise_s:.0f} s: "
+        f"{len(records) - failed}/{len(records)} ok")
+    return result
+
+
 def run_levels(label: str, levels: list[int], spec: workloads.WorkloadSpec, target_at, num_prompts_at=None, **options) -> dict:
     """One result with a run per concurrency level. `target_at(level)` is a context manager that
     yields the target for that level (a peer may be restarted per level, e.g. with as many slots as

@@ -123,6 +123,18 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ramp_table(result: dict) -> str:
+    """The ramp's timeline as a markdown table."""
+    names = sorted({n for row in result["timeline"] for n in row["replicas"]})
+    headers = ["t (s)", "users", "started", "failed", "TTFT p50 (ms)", "TTFT p95 (ms)", "TPOT p50 (ms)",
+               *[f"{n} replicas" for n in names], "nodes", "waiting"]
+    lines = [[f"{r['t_s']:.0f}", str(r["users"]), str(r["started"]), str(r["failed"]), f"{r['ttft_p50_ms']:.0f}",
+              f"{r['ttft_p95_ms']:.0f}", f"{r['tpot_p50_ms']:.1f}", *[str(r["replicas"].get(n, "")) for n in names],
+              str(r["nodes"] if r["nodes"] is not None else ""), str(r["waiting"] if r["waiting"] is not None else "")]
+             for r in result["timeline"]]
+    return markdown_rows(headers, lines)
+
+
 def plot(results: list[dict], directory: str | Path, prefix: str = "bench") -> list[Path]:
     """Latency CDFs (TTFT, TPOT, E2E) of every target at its highest load, and, when runs span
     several concurrencies, output throughput and TPOT median against concurrency."""

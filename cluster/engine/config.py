@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from cache_service.page_codec import CODECS
 
 
+TP_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str  # an HF model directory
@@ -29,6 +32,9 @@ class EngineConfig:
     swap_space_bytes: int = 4 << 30
     tensor_parallel_size: int = 1  # > 1: a group of Ray actors, one per rank (cluster/executor)
     tp_collective: str = "auto"  # "auto" (NCCL / deepspeed shared memory / gloo) or "gloo"
+    # Where a TP group's ranks go (a Ray placement strategy): "PACK" on as few nodes as fit,
+    # "STRICT_PACK" one node or none, "SPREAD"/"STRICT_SPREAD" across nodes.
+    tp_placement_strategy: str = "PACK"
     seed: int = 0  # for requests that bring no seed of their own
     # Lower KV tiers (cache_service/tiers.py): evicted blocks are spilled there and brought back
     # for later prefix hits instead of being recomputed. 0 bytes: no such tier.
@@ -38,6 +44,9 @@ class EngineConfig:
     # > 0: those tiers live in N shared CacheService actors (cache_service/service.py) that every
     # replica of the model uses, instead of in this process.
     kv_cache_service_shards: int = 0
+    # Ray resources each shard asks for: {"nvme": 0.01} puts the shards on nodes that declare an
+    # `nvme` resource (k8s/: the cache-service worker group with local NVMe at kv_cache_dir).
+    kv_cache_service_resources: dict[str, float] | None = None
     # How pages are stored: "shuffle-lz4" (byte-shuffled, then LZ4: smallest, 1.07x for fp32 and
     # 1.15x for bf16 KV here), "lz4" (about 6x faster to read back, barely smaller than raw) or "raw".
     kv_page_codec: str = "shuffle-lz4"
@@ -61,6 +70,9 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.kv_page_codec not in CODECS:
             raise ValueError(f"kv_page_codec must be one of {', '.join(CODECS)}, got {self.kv_page_codec!r}")
+        if self.tp_placement_strategy not in TP_PLACEMENT_STRATEGIES:
+            raise ValueError(f"tp_placement_strategy must be one of {', '.join(TP_PLACEMENT_STRATEGIES)}, "
+                             f"got {self.tp_placement_strategy!r}")
         if self.tp_collective not in ("auto", "gloo"):
             raise ValueError(f"tp_collective must be 'auto' or 'gloo', got {self.tp_collective!r}")
         if self.kv_role not in (None, "prefill", "decode"):

@@ -326,7 +326,7 @@ class LLMEngine:
         identity = {"model": self.model_identity, "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads,
                     "head_dim": c.head_dim, "block_size": config.block_size, "dtype": config.dtype}
         return build_offload(identity, config.host_kv_bytes, config.disk_kv_bytes, config.kv_cache_dir,
-                             config.kv_cache_service_shards, config.kv_page_codec)
+                             config.kv_cache_service_shards, config.kv_page_codec, config.kv_cache_service_resources)
 
     # ---- introspection -------------------------------------------------------------------
 
@@ -335,6 +335,8 @@ class LLMEngine:
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=self.num_waiting,
             num_prefilling=sum(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running),
+            num_tokens_to_prefill=sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+            + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.running),
             kv_blocks_total=self.num_blocks, kv_blocks_free=self.num_free_blocks,
             prefix_cache_queried_tokens=pool.stats.num_queried_tokens, prefix_cache_hit_tokens=pool.stats.num_hit_tokens,
             num_preemptions=scheduler.num_preemptions, num_swapped_in=self.kv_connector.num_swapped_in,

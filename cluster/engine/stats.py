@@ -10,6 +10,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_prefilling: int  # running requests whose prompt is not all computed yet
+    num_tokens_to_prefill: int  # tokens whose KV must still be computed before first tokens (waiting and prefilling)
     kv_blocks_total: int
     kv_blocks_free: int
     prefix_cache_queried_tokens: int  # prompt tokens looked up in the prefix cache (admitted requests)

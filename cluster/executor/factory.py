@@ -21,7 +21,8 @@ def build_executor(config: EngineConfig) -> Executor:
     if config.tensor_parallel_size > 1:
         from cluster.executor.tp_group import TPGroup
 
-        return TPGroup(config.model, config.tensor_parallel_size, collective=config.tp_collective, **options)
+        return TPGroup(config.model, config.tensor_parallel_size, collective=config.tp_collective,
+                       placement_strategy=config.tp_placement_strategy, **options)
     from model.runner import ModelRunner
 
     if config.kv_role is not None:  # KV goes to / comes from another process

@@ -61,7 +61,8 @@ class TPWorker:
 class TPGroup:
     def __init__(self, model_dir: str, tp_size: int, *, block_size: int, num_blocks: int | None, kv_cache_bytes: int,
                  max_model_len: int | None, dtype: torch.dtype, device: str, quantization: str | None,
-                 cpus_per_worker: float = 0.5, torch_threads: int | None = None, collective: str = "auto"):
+                 cpus_per_worker: float = 0.5, torch_threads: int | None = None, collective: str = "auto",
+                 placement_strategy: str = "PACK"):
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -79,9 +80,10 @@ class TPGroup:
         # On CUDA each rank gets a GPU of its own (Ray sets CUDA_VISIBLE_DEVICES: it is cuda:0 there).
         gpus = 1 if device.startswith("cuda") else 0
         bundle = {"CPU": cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-        self.placement = placement_group([bundle] * tp_size, strategy="PACK")
+        self.placement = placement_group([bundle] * tp_size, strategy=placement_strategy)
         ray.get(self.placement.ready(), timeout=120)
-        init_method = f"tcp://127.0.0.1:{free_port()}"  # one host here; rank 0's node on a cluster
+        init_method = ray.get(_rendezvous_on_rank0_node.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self.placement, placement_group_bundle_index=0)).remote(), timeout=120)
         one_host = len(set(placement_group_table(self.placement)["bundles_to_node_id"].values())) == 1
         shared_memory = collective == "auto" and one_host
         worker = ray.remote(TPWorker)
@@ -131,6 +133,14 @@ class TPGroup:
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.placement)
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous_on_rank0_node() -> str:
+    """Where the ranks meet: a free port on the node of rank 0's bundle, at that node's address
+    (the ranks of a group may be on several nodes)."""
+    host = ray.util.get_node_ip_address()
+    return f"tcp://{host}:{free_port(host)}"
 
 
 def _join_group(rank: int, tp_size: int, init_method: str, device: str, shared_memory: bool):

@@ -23,7 +23,7 @@ from cluster.serve.ingress import Ingress, build_fastapi_app
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import LLMServer
 
-GRPC_SERVICER = "cluster.serve.grpc_servicer.add_inference_servicer"
+GRPC_SERVICERS = ["cluster.serve.grpc_servicer.add_inference_servicer", "cluster.serve.grpc_servicer.add_health_servicer"]
 # Ray Serve's own router: the replica whose past prompts share the longest prefix with this one,
 # unless queue lengths differ by more than the threshold; then power-of-two-choices by load.
 # It is the class ray.serve.llm.request_router re-exports; that package's __init__ needs vLLM or
@@ -35,16 +35,42 @@ PREFIX_AFFINITY_ROUTER = {
 }
 
 
+# A server replica answers many streams at once (its engine batches them); a lost TP worker gets
+# its replica replaced within seconds. The ingress only relays, so it reserves no CPU.
+SERVER_DEFAULTS = {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 2}
+INGRESS_DEFAULTS = {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0}}
+
+
 class DeploymentOptions(BaseModel):
+    """The options of `serve.deployment` that a Pagoda deployment takes from the config (Serve
+    checks their values when it deploys; `autoscaling_config` is checked here, first)."""
+
     model_config = ConfigDict(extra="forbid")
 
     num_replicas: int | str | None = Field(None, description='a count, or "auto" with autoscaling_config')
     max_ongoing_requests: int | None = None
+    max_queued_requests: int | None = None
     autoscaling_config: dict[str, Any] | None = None
     ray_actor_options: dict[str, Any] | None = None
+    placement_group_bundles: list[dict[str, float]] | None = None
+    placement_group_strategy: str | None = None
+    max_replicas_per_node: int | None = None
     health_check_period_s: float | None = None
+    health_check_timeout_s: float | None = None
+    graceful_shutdown_wait_loop_s: float | None = None
     graceful_shutdown_timeout_s: float | None = Field(None, description="default: the app's drain_timeout_s")
     request_router_config: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _autoscaling_config_is_serves(self):
+        if self.autoscaling_config is not None:
+            from ray.serve.config import AutoscalingConfig
+
+            unknown = set(self.autoscaling_config) - set(AutoscalingConfig.model_fields)
+            if unknown:  # Serve itself would ignore a misspelt key
+                raise ValueError(f"autoscaling_config: unknown option(s) {', '.join(sorted(unknown))}")
+            AutoscalingConfig(**self.autoscaling_config)  # its own errors name the field
+        return self
 
     def as_kwargs(self) -> dict:
         return self.model_dump(exclude_none=True)
@@ -55,6 +81,26 @@ class DeploymentOptions(BaseModel):
         if isinstance(self.num_replicas, int):
             return self.num_replicas
         return int((self.autoscaling_config or {}).get("max_replicas", 1))
+
+    def autoscaled_by_engine(self, role: str, engine: dict) -> dict:
+        """These options, with an autoscaling_config (if any) completed to scale on the engine's
+        signals (cluster/serve/autoscaling.py): Pagoda's defaults under the config's own keys, and
+        the policy's targets from the engine's batch limits unless the config names them."""
+        kwargs = self.as_kwargs()
+        if self.autoscaling_config is None:
+            return kwargs
+        from cluster.engine.config import EngineConfig
+        from cluster.serve.autoscaling import POLICY_FUNCTION, SERVER_AUTOSCALING_DEFAULTS
+
+        autoscaling = {**SERVER_AUTOSCALING_DEFAULTS, **self.autoscaling_config}
+        policy = {"policy_function": POLICY_FUNCTION, **(autoscaling.get("policy") or {})}
+        if policy.get("policy_function") == POLICY_FUNCTION:
+            limits = EngineConfig(**engine)
+            policy["policy_kwargs"] = {"role": role, "target_num_seqs": limits.max_num_seqs,
+                                       "target_tokens_to_prefill": 4 * limits.max_num_batched_tokens,
+                                       **policy.get("policy_kwargs", {})}
+        kwargs["autoscaling_config"] = {**autoscaling, "policy": policy}
+        return kwargs
 
 
 class AppConfig(BaseModel):
@@ -67,18 +113,26 @@ class AppConfig(BaseModel):
     request_timeout_s: float | None = Field(600.0, gt=0, description="server-side deadline of a request")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM or a replica stop: how long requests in flight may finish")
     torch_threads: int | None = Field(None, description="torch threads of the engine (default: all CPUs of the node)")
-    llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
-        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}, health_check_period_s=2))
+    llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**SERVER_DEFAULTS))
     disaggregated: bool = Field(False, description="prefill on PrefillServer, decode on the LLMServer deployment")
     prefill_engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options of the prefill side over `engine`")
     prefill_torch_threads: int | None = Field(None, description="torch threads of the prefill engine (default: torch_threads)")
-    prefill_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
-        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1}, health_check_period_s=2))
-    ingress: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(
-        max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0}))
+    prefill_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**SERVER_DEFAULTS))
+    ingress: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**INGRESS_DEFAULTS))
     front_door: bool = Field(False, description="`pagoda serve` puts HAProxy in front of the HTTP port; it refuses "
                              "generation requests with 429 while the ingress queue is full (cluster/serve/front_door.py)")
     front_door_dir: str | None = Field(None, description="set by `pagoda serve`: where the ingress tells the front door")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deployment_options_over_the_defaults(cls, data):
+        """A deployment's options in the config replace only the defaults they name."""
+        if isinstance(data, dict):
+            for name, defaults in (("llm_server", SERVER_DEFAULTS), ("prefill_server", SERVER_DEFAULTS),
+                                   ("ingress", INGRESS_DEFAULTS)):
+                if isinstance(data.get(name), dict):
+                    data = {**data, name: {**defaults, **data[name]}}
+        return data
 
     @model_validator(mode="after")
     def _one_ingress_behind_the_front_door(self):
@@ -119,12 +173,12 @@ def build_app(args: dict | None = None):
     # rest with an error); the ingress a little longer, so it can still relay that error.
     drain = {"graceful_shutdown_timeout_s": config.drain_timeout_s}
     if config.disaggregated:
-        prefill_options = {**drain, **config.prefill_server.as_kwargs()}
+        prefill_options = {**drain, **config.prefill_server.autoscaled_by_engine("prefill", prefill_engine)}
         prefill_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)
         prefill_server = serve.deployment(LLMServer, name="PrefillServer", **prefill_options).bind(
             engine_config=prefill_engine,
             **{**common, "torch_threads": config.prefill_torch_threads or config.torch_threads})
-    decode_options = {**drain, **config.llm_server.as_kwargs()}
+    decode_options = {**drain, **config.llm_server.autoscaled_by_engine("decode", decode_engine)}
     if config.disaggregated:  # unless the config names another router
         decode_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)
     llm_server = serve.deployment(LLMServer, name="LLMServer", **decode_options).bind(

@@ -1,6 +1,7 @@
-"""The servicer function given to Serve's gRPC proxy (gRPCOptions.grpc_servicer_functions).
+"""The servicer functions given to Serve's gRPC proxy (gRPCOptions.grpc_servicer_functions).
 
-It registers pagoda.v1.Inference like the generated `add_InferenceServicer_to_server`, and makes
+They register pagoda.v1.Inference like the generated `add_InferenceServicer_to_server`, and
+grpc.health.v1.Health (answered by the Ingress, which asks a model server replica), and make
 client cancellation of a streaming call reach the replicas.
 
 Why: Serve 2.60's proxy streams a call through an async generator that catches BaseException
@@ -49,9 +50,21 @@ class UndecodableRequest:
 def add_inference_servicer(servicer, server) -> None:
     """Serve calls this in its proxy with a stand-in servicer and its own gRPC server, whose
     `service_handler_factory` makes the handlers that forward calls to replicas."""
+    _register_with_pagoda_handlers(server, add_InferenceServicer_to_server, _add_lenient_servicer, servicer)
+
+
+def add_health_servicer(servicer, server) -> None:
+    """grpc.health.v1.Health (Kubernetes gRPC probes, grpc_health_probe, load balancers), forwarded
+    to the Ingress's Check and Watch like Inference's methods, so it answers for the model server."""
+    from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
+
+    _register_with_pagoda_handlers(server, add_HealthServicer_to_server, add_HealthServicer_to_server, servicer)
+
+
+def _register_with_pagoda_handlers(server, add_generated, add_in_proxy, servicer) -> None:
     make_handler = getattr(server, "service_handler_factory", None)
     if make_handler is None:  # not Serve's proxy server: register as generated
-        add_InferenceServicer_to_server(servicer, server)
+        add_generated(servicer, server)
         return
 
     def make_cancellable_handler(service_method, streaming_type):
@@ -64,7 +77,7 @@ def add_inference_servicer(servicer, server) -> None:
 
     server.service_handler_factory = make_cancellable_handler
     try:
-        _add_lenient_servicer(servicer, server)
+        add_in_proxy(servicer, server)
     finally:
         server.service_handler_factory = make_handler
 

@@ -22,6 +22,7 @@ import logging
 import uuid
 
 import grpc
+from grpc_health.v1 import health_pb2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -59,6 +60,8 @@ logger = logging.getLogger("pagoda.ingress")
 # curl -d sends form-urlencoded and text/plain is what some clients send with a JSON body: both are
 # read as JSON, as vLLM and OpenAI do; anything else (a multipart upload, XML) is 415.
 JSON_CONTENT_TYPES = ("application/json", "application/x-www-form-urlencoded", "text/plain", "")
+HEALTH_SERVICES = ("", pb.DESCRIPTOR.services_by_name["Inference"].full_name)  # "": the server as a whole
+HEALTH_TIMEOUT_S = 1.0
 
 def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
     """(HTTP status, OpenAI error type, gRPC code, message) for an exception."""
@@ -190,9 +193,41 @@ class Ingress:
     async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
         try:
             await self._ready()
-            return pb.HealthResponse(healthy=True, status="ok")
+            serving = await self._model_server_serving()
+            return pb.HealthResponse(healthy=serving, status="ok" if serving else "the model server is not serving")
         except Exception as e:  # the proxy must get an answer, not an error
             return pb.HealthResponse(healthy=False, status=_error_kind(e)[3])
+
+    # grpc.health.v1.Health: what Kubernetes gRPC probes, grpc_health_probe and load balancers call.
+    async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context) -> health_pb2.HealthCheckResponse:
+        if request.service not in HEALTH_SERVICES:  # the protocol's answer for a service it does not know
+            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+            grpc_context.set_details(f"unknown service {request.service!r}; this server has {', '.join(HEALTH_SERVICES[1:])}")
+            raise ValueError(request.service)
+        return health_pb2.HealthCheckResponse(status=await self._serving_status())
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest):
+        """The status now, then each change (looked at every second) until the client leaves."""
+        last = None
+        while True:
+            status = (await self._serving_status() if request.service in HEALTH_SERVICES
+                      else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(1.0)
+
+    async def _serving_status(self) -> int:
+        serving = not self._drain.draining and await self._model_server_serving()
+        return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def _model_server_serving(self) -> bool:
+        """Asks a model server replica itself: a cached answer would say healthy after it died.
+        With none running, Serve holds the call until one is; the timeout turns that into no."""
+        try:
+            return await asyncio.wait_for(self.llm.is_serving.remote(), timeout=HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - gone, restarting, timed out: all are "not serving"
+            return False
 
     def _check_size(self, num_bytes: int) -> None:
         if num_bytes > self.limits.max_request_bytes:
@@ -223,19 +258,23 @@ class Ingress:
     async def status(self):
         """Deployments and their replicas (from Serve), every engine group with its ranks and
         where they run, plus one engine's statistics."""
+        import ray
         from ray import serve
 
+        from cluster.serve.autoscaling import last_decision
         from cluster.serve.topology import describe_groups
 
         app_name = serve.get_replica_context().app_name
         app_status = serve.status().applications.get(app_name)
         deployments = {
             name: {"status": str(d.status.value if hasattr(d.status, "value") else d.status),
-                   "replicas": dict(d.replica_states)}
+                   "replicas": dict(d.replica_states),
+                   "autoscaling": last_decision(app_name, name)}  # None: a fixed count or Serve's policy
             for name, d in (app_status.deployments.items() if app_status else [])
         }
         groups = await asyncio.to_thread(describe_groups, app_name)
-        return {"app": app_name, "deployments": deployments, "groups": groups,
+        nodes = await asyncio.to_thread(lambda: sum(node["Alive"] for node in ray.nodes()))
+        return {"app": app_name, "deployments": deployments, "groups": groups, "nodes": nodes,
                 "engine": await self.llm.stats.remote(), "model": self.model_name}
 
     async def completions(self, raw: Request):

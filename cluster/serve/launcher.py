@@ -12,7 +12,8 @@ import yaml
 
 from cluster.ports import free_port
 from cluster.serve import drain as drain_module
-from cluster.serve.app import GRPC_SERVICER, build_app, max_pending_requests, parse_app_config
+from cluster.serve.app import GRPC_SERVICERS, build_app, check_app_args, max_pending_requests
+from cluster.serve.placement import check_fit, cluster_nodes
 from cluster.serve.front_door import FrontDoor
 
 APP_NAME = "pagoda"
@@ -45,6 +46,7 @@ def start(
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
+    config, prefill_engine, decode_engine = check_app_args(app_args)
     if not ray.is_initialized():
         if address:
             ray.init(address=address)
@@ -55,9 +57,10 @@ def start(
                 address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                 _metrics_export_port=metrics_port,  # Prometheus scrapes Pagoda's metrics here
             )
+            # This cluster cannot grow: a shape that does not fit it fails now, not after Serve's retries.
+            check_fit(config, prefill_engine, decode_engine, cluster_nodes())
     global _drain_signal, _front_door
     _drain_signal = drain_module.start_drain_signal()  # before the replicas: each finds it at its first look
-    config = parse_app_config(app_args)
     serve_http_port = http_port
     if config.front_door:  # HAProxy takes the HTTP port; Serve's proxy listens behind it
         serve_http_port = free_port()
@@ -67,7 +70,7 @@ def start(
         app_args = {**app_args, "front_door_dir": str(_front_door.dir)}
     serve.start(
         http_options=HTTPOptions(host="127.0.0.1", port=serve_http_port),
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
     )
     serve.run(build_app(app_args), name=APP_NAME, route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{http_port}"

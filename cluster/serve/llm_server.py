@@ -36,6 +36,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 from cluster.executor.factory import build_executor
+from cluster.serve.autoscaling import RecentPercentile, replica_signals
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.errors import EngineOverloadedError, RequestFailedError, RequestTimeoutError, WorkerLostError
 from cluster.serve.metrics import EngineMetrics, start_gpu_telemetry
@@ -98,6 +99,7 @@ class LLMServer:
         self._ids = itertools.count()
         self._stopped = False
         self._ready = threading.Event()
+        self._recent_ttft = RecentPercentile(window_s=30.0)
         # The engine is built in its own thread, and only that thread ever runs torch: libgomp
         # keeps an OpenMP pool per thread that has run torch, and once more pool threads exist
         # than CPUs it stops spin-waiting between ops, which made every decode step 2x slower
@@ -107,6 +109,7 @@ class LLMServer:
             target=self._run, args=(engine_config, torch_threads, built), name="pagoda-engine", daemon=True)
         self._thread.start()
         self.engine: LLMEngine = built.result()  # re-raises a failed build
+        self._last_stats = self.engine.stats()  # then the engine thread's, after each step
         self.metrics = EngineMetrics(self.model_info()["model_id"])
         start_gpu_telemetry()
         self._drain = DrainWatcher(replica_name(self), lambda: len(self._streams),
@@ -185,10 +188,16 @@ class LLMServer:
         }
 
     def stats(self) -> dict:
-        """The engine's stats as plain data (`pagoda status`), with this server's open streams."""
-        stats = self.engine.stats()
+        """The engine's stats as plain data (`pagoda status`), with this server's open streams
+        (the engine thread's last snapshot: only that thread touches the engine)."""
+        stats = self._last_stats
         return {**dataclasses.asdict(stats), "num_streams": len(self._streams), "kv_usage": stats.kv_usage,
                 "prefix_cache_hit_rate": stats.prefix_cache_hit_rate}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What this replica's autoscaling policy scales on (cluster/serve/autoscaling.py); Serve
+        calls it on the replica every few seconds. Reads the engine thread's last snapshot."""
+        return replica_signals(self._last_stats, self._inbox.qsize(), self._recent_ttft.percentile(95))
 
     def describe(self) -> dict:
         """This replica's engine: its role and its ranks, with where each one runs."""
@@ -212,6 +221,14 @@ class LLMServer:
             raise RuntimeError(self._worker_lost)
         if self.engine.is_broken:
             raise RuntimeError("every step of the engine fails, whatever it runs")
+
+    def is_serving(self) -> bool:
+        """Whether this replica takes new requests (the gRPC health service asks, through the ingress)."""
+        try:
+            self.check_health()
+        except RuntimeError:
+            return False
+        return not self._drain.draining
 
     def shutdown(self) -> None:
         """Stop the engine thread and wait for it (a thread killed inside torch at interpreter
@@ -255,6 +272,7 @@ class LLMServer:
             self._drain_inbox()
             self._expire_deadlines()
             if not engine.has_unfinished_requests():
+                self._last_stats = engine.stats()  # aborts since the last step freed their blocks
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
@@ -269,9 +287,11 @@ class LLMServer:
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(RequestFailedError("the engine failed while running this request"))
                 continue
+            self._last_stats = engine.stats()  # before the deltas: whoever gets a last one sees its blocks freed
             for delta in deltas:
                 self._deliver(delta)
-            self.metrics.record_engine(engine.stats())
+            self._last_stats = engine.stats()  # a stream found gone has been aborted
+            self.metrics.record_engine(self._last_stats)
             if engine.kv_connector.offload is not None:
                 self.metrics.record_tiers(engine.kv_connector.offload)
         self._drain_inbox()
@@ -357,6 +377,7 @@ class LLMServer:
         if stream.first_token is None:
             stream.first_token = now
             m.ttft.observe(now - stream.arrival)
+            self._recent_ttft.add(now - stream.arrival)
         else:
             m.itl.observe(now - stream.last_token)
         stream.last_token = now

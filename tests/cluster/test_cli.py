@@ -75,6 +75,8 @@ def test_generate_on_a_directory_that_is_not_a_model(tmp_path):
     (["--prefill-tp", "2"], "--prefill-tp and --decode-tp need --disaggregated"),
     (["--preemption-mode", "swap", "--swap-space-gb", "-1"], "--swap-space-gb"),
     (["--host-kv-gb", "-1"], "--host-kv-gb"),
+    (["--autoscale", "4:1"], "need 0 <= MIN <= MAX"),
+    (["--autoscale", "two"], "expected MIN:MAX"),
 ])
 def test_serve_refuses_a_bad_scale_out_shape_before_starting_anything(model_dir, args, message):
     result = run("serve", "--model", model_dir, "--http-port", "18999", *args)

@@ -54,7 +54,7 @@ def deployed(server, name: str, route: str, **args):
     wait_healthy(base, timeout_s=300)
     channel = grpc.insecure_channel(server["grpc"])
     try:
-        yield {"http": base, "stub": pb_grpc.InferenceStub(channel), "metadata": (("application", name),),
+        yield {"http": base, "channel": channel, "stub": pb_grpc.InferenceStub(channel), "metadata": (("application", name),),
                "address": f"{server['http'].removeprefix('http://')}{route}"}
     finally:
         channel.close()
@@ -105,6 +105,15 @@ def parity_answers(app) -> list[list[int]]:
     prompts = parity_prompts()
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(lambda i: answer(app, grpc_request(prompts[i])), SERVER_PARITY))
+
+
+def grpc_health(app) -> str:
+    """grpc.health.v1's answer for this application (its name in the metadata, as for any call)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(app["channel"])
+    response = health.Check(health_pb2.HealthCheckRequest(), metadata=app["metadata"], timeout=30)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
 def status(app) -> dict:
@@ -163,6 +172,7 @@ def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_and_serve_recov
         assert len(prefills) == 2 and queried[0] == 0 and queried[1] > 0, [g["stats"] for g in prefills]
         assert max(g["stats"]["prefix_cache_hit_rate"] for g in prefills) > 0.4  # 2 of 3 prompts hit ~all but a block
 
+        assert grpc_health(app) == "SERVING"
         groups = {g["deployment"]: g for g in status(app)["groups"]}
         victim = groups["LLMServer"]["ranks"][1]["pid"]  # a decode worker actor's process
         stream = app["stub"].Generate(long_answer, metadata=app["metadata"], timeout=120)
@@ -176,6 +186,7 @@ def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_and_serve_recov
         assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value.details()
         assert "worker" in failure.value.details()
         assert received < 400
+        assert grpc_health(app) == "NOT_SERVING"  # what a Kubernetes readiness probe sees now
 
         # The prefill side let go of everything it held.
         deadline = time.monotonic() + 60
@@ -195,6 +206,7 @@ def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_and_serve_recov
                 assert time.monotonic() < deadline, "Serve did not replace the decode replica"
                 time.sleep(1)
         assert len(tokens) == 8
+        assert grpc_health(app) == "SERVING"
         groups = {g["deployment"]: g for g in status(app)["groups"]}
         new_pids = {r["pid"] for r in groups["LLMServer"]["ranks"]}
         assert victim not in new_pids and len(new_pids) == 2

@@ -77,6 +77,32 @@ def test_grpc_model_info_and_health(stub, server):
     assert stub.Health(pb.HealthRequest()).healthy
 
 
+def test_standard_grpc_health_and_reflection(server):
+    """What Kubernetes gRPC probes, grpc_health_probe and grpcurl call, without Pagoda's proto."""
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(server["grpc"]) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == serving
+        assert health.Check(health_pb2.HealthCheckRequest(service="pagoda.v1.Inference"), timeout=30).status == serving
+        with pytest.raises(grpc.RpcError) as unknown:
+            health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "no.such.Service" in unknown.value.details()
+        watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+        assert next(watch).status == serving
+        watch.cancel()
+
+        reflection = ProtoReflectionDescriptorDatabase(channel)
+        services = set(reflection.get_services())
+        assert {"pagoda.v1.Inference", "grpc.health.v1.Health"} <= services
+        inference = DescriptorPool(reflection).FindServiceByName("pagoda.v1.Inference")
+        assert {m.name for m in inference.methods} == {"Generate", "GetModelInfo", "Health"}
+        assert inference.FindMethodByName("Generate").input_type.full_name == "pagoda.v1.GenerateRequest"
+
+
 def test_grpc_raw_prompt_n2_and_logprobs(stub):
     request = pb.GenerateRequest(
         prompt="Once upon a time",
