@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -309,31 +310,6 @@ def bench() -> None:
     """Benchmark Pagoda or any OpenAI-compatible server; compare results."""
 
 
-def bench_ramp(target, label, spec, ramp, ramp_hold, ignore_eos, tokenizer_dir, warmup, out_path, plots_dir) -> None:
-    from cluster.bench import ramp as ramp_module
-    from cluster.bench import report
-    from cluster.bench.bench import run_ramp_bench
-
-    try:
-        ramp_spec = ramp_module.RampSpec.parse(ramp, hold_s=ramp_hold)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--ramp") from None
-    status_url = f"{target.rstrip('/').removesuffix('/v1')}/v1/pagoda/status" if target.startswith("http") else None
-    try:
-        result = run_ramp_bench(target, spec, ramp_spec, label=label, status_url=status_url, ignore_eos=ignore_eos,
-                                tokenizer_dir=tokenizer_dir, warmup=warmup, log=lambda m: click.echo(m, err=True))
-    except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(report.ramp_table(result))
-    if out_path:
-        report.save(result, out_path)
-    if plots_dir:
-        path = Path(plots_dir) / f"{Path(out_path).stem if out_path else 'bench'}_ramp.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        ramp_module.plot_timelines([result], path)
-        click.echo(f"plot: {path}", err=True)
-
-
 @bench.command("run")
 @click.option("--target", default="http://127.0.0.1:8000", show_default=True,
               help="http://HOST:PORT (any OpenAI-compatible server), grpc://HOST:PORT (Pagoda), or hf[:MODEL_DIR] (HF in this process)")
@@ -383,20 +359,33 @@ def bench_run(target, label, workload, num_prompts, input_len, output_len, range
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--slo") from None
     spec = WorkloadSpec(workload, num_prompts, input_len, output_len, range_ratio, turns, prompts_file, seed)
+    log = lambda m: click.echo(m, err=True)  # noqa: E731
     if ramp:
-        bench_ramp(target, label, spec, ramp, ramp_hold, ignore_eos, tokenizer_dir, warmup, out_path, plots_dir)
-        return
+        from cluster.bench.bench import run_ramp_bench
+        from cluster.bench.ramp import RampSpec
+
+        try:
+            ramp_spec = RampSpec.parse(ramp, hold_s=ramp_hold)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--ramp") from None
+        status_url = f"{target.rstrip('/').removesuffix('/v1')}/v1/pagoda/status" if target.startswith("http") else None
+        run = functools.partial(run_ramp_bench, target, spec, ramp_spec, label=label, status_url=status_url,
+                                ignore_eos=ignore_eos, tokenizer_dir=tokenizer_dir, warmup=warmup, log=log)
+        table, plot = report.ramp_table, report.plot_ramp
+    else:
+        run = functools.partial(run_bench, target, spec, label=label, concurrencies=levels, request_rate=request_rate,
+                                burstiness=burstiness, ignore_eos=ignore_eos, max_batch=max_batch, slo=slo_s,
+                                tokenizer_dir=tokenizer_dir, warmup=warmup, log=log)
+        table, plot = report.table, report.plot
     try:
-        result = run_bench(target, spec, label=label, concurrencies=levels, request_rate=request_rate,
-                           burstiness=burstiness, ignore_eos=ignore_eos, max_batch=max_batch, slo=slo_s,
-                           tokenizer_dir=tokenizer_dir, warmup=warmup, log=lambda m: click.echo(m, err=True))
+        result = run()
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(report.table(result))
+    click.echo(table(result))
     if out_path:
         report.save(result, out_path)
     if plots_dir:
-        for path in report.plot([result], plots_dir, prefix=Path(out_path).stem if out_path else "bench"):
+        for path in plot([result], plots_dir, prefix=Path(out_path).stem if out_path else "bench"):
             click.echo(f"plot: {path}", err=True)
 
 

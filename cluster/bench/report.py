@@ -135,6 +135,16 @@ def ramp_table(result: dict) -> str:
     return markdown_rows(headers, lines)
 
 
+def plot_ramp(results: list[dict], directory: str | Path, prefix: str = "bench") -> list[Path]:
+    """The ramps' timelines in one PNG: users, replicas and nodes; TTFT p95; queue."""
+    from cluster.bench.ramp import plot_timelines
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    path = Path(directory) / f"{prefix}_ramp.png"
+    plot_timelines(results, path)
+    return [path]
+
+
 def plot(results: list[dict], directory: str | Path, prefix: str = "bench") -> list[Path]:
     """Latency CDFs (TTFT, TPOT, E2E) of every target at its highest load, and, when runs span
     several concurrencies, output throughput and TPOT median against concurrency."""

@@ -15,6 +15,8 @@ from cluster.cli import main
     (["--workload", "poem"], "--workload"),
     (["--target", "ftp://127.0.0.1:1"], "--target must be"),
     (["--workload", "file"], "--workload file needs --prompts-file"),
+    (["--ramp", "16:1:60"], "--ramp"),
+    (["--ramp", "1:16"], "--ramp: expected LOW:HIGH:SECONDS"),
 ])
 def test_bad_options_are_clear_errors(args, message, model_dir):
     result = CliRunner().invoke(main, ["bench", "run", "--tokenizer", model_dir, *args])

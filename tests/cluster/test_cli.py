@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -91,3 +92,22 @@ def test_serve_refuses_a_front_door_before_several_ingress_replicas(model_dir, t
     result = run("serve", "--model", model_dir, "--http-port", "18999", "--config", str(config), "--front-door")
     assert result.returncode != 0
     assert "front_door: needs exactly one Ingress replica" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_refuses_a_shape_that_does_not_fit_the_local_cluster_and_leaves_nothing(model_dir):
+    """The README's disaggregated shape on a 2-CPU cluster: 3 CPUs asked for, refused at once."""
+    before = ray_pids()  # the session's cluster, if it runs
+    result = run("serve", "--model", model_dir, "--http-port", "18999", "--grpc-port", "19999", "--num-cpus", "2",
+                 "--disaggregated", "--prefill-tp", "2", "--decode-tp", "1")
+    assert result.returncode != 0 and "pagoda ready" not in result.stdout
+    assert "PrefillServer replica 1: 2 TP ranks cannot be placed" in result.stderr
+    assert "It needs CPU 3 (the cluster has 2)" in result.stderr and "--num-cpus" in result.stderr
+    assert "Traceback" not in result.stderr
+    deadline = time.monotonic() + 15  # processes that are stopping may take a moment to be gone
+    while ray_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ray_pids() - before, "Ray processes were left running"
+
+
+def ray_pids() -> set[str]:
+    return set(subprocess.run(["pgrep", "-f", "ray::|raylet|gcs_server"], capture_output=True, text=True).stdout.split())
