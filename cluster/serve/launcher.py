@@ -4,6 +4,7 @@ the same path."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from cluster.serve.placement import check_fit, cluster_nodes
 from cluster.serve.front_door import FrontDoor
 
 APP_NAME = "pagoda"
+PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
 _drain_signal = None  # the DrainSignal actor lives as long as this handle (owned by this driver)
 _front_door: FrontDoor | None = None
 
@@ -47,6 +49,9 @@ def start(
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     config, prefill_engine, decode_engine = check_app_args(app_args)
+    # Autoscaled replicas report their engine's queue and KV use every 2 s (Ray's default, 10 s,
+    # makes the policy see a burst late). The replicas of a local cluster inherit this environment.
+    os.environ.setdefault(PUSH_INTERVAL_ENV, "2")
     if not ray.is_initialized():
         if address:
             ray.init(address=address)
