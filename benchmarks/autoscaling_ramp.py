@@ -97,6 +97,7 @@ def run_mode(model: str, mode: str, spec, disaggregated: bool, log) -> dict:
         result["max_replicas"] = max((s["replicas"].get(server, 0) for s in samples if "replicas" in s), default=0)
         result["max_nodes"] = max((s.get("nodes") or 0 for s in samples), default=0)
         result["first_scale_up_s"] = next((s["t"] for s in samples if s.get("replicas", {}).get(server, 0) > 1), None)
+        result["last_decision"] = status(base)["deployments"][server].get("autoscaling")  # what `pagoda status` shows
         # The load is gone: every replica that served lets go of its blocks at once...
         report = wait_for(lambda: _idle(status(base)), 60, "a replica kept KV blocks after the load stopped")
         result["blocks_left"] = {f"{g['deployment']}#{i}": g["stats"]["kv_blocks_total"] - g["stats"]["kv_blocks_free"]

@@ -50,18 +50,20 @@ class UndecodableRequest:
 def add_inference_servicer(servicer, server) -> None:
     """Serve calls this in its proxy with a stand-in servicer and its own gRPC server, whose
     `service_handler_factory` makes the handlers that forward calls to replicas."""
-    _register_with_pagoda_handlers(server, add_InferenceServicer_to_server, _add_lenient_servicer, servicer)
+    _register_with_pagoda_handlers(server, add_InferenceServicer_to_server, SERVICE, pb, servicer)
 
 
 def add_health_servicer(servicer, server) -> None:
     """grpc.health.v1.Health (Kubernetes gRPC probes, grpc_health_probe, load balancers), forwarded
     to the Ingress's Check and Watch like Inference's methods, so it answers for the model server."""
+    from grpc_health.v1 import health_pb2
     from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
 
-    _register_with_pagoda_handlers(server, add_HealthServicer_to_server, add_HealthServicer_to_server, servicer)
+    service = health_pb2.DESCRIPTOR.services_by_name["Health"]
+    _register_with_pagoda_handlers(server, add_HealthServicer_to_server, service, health_pb2, servicer)
 
 
-def _register_with_pagoda_handlers(server, add_generated, add_in_proxy, servicer) -> None:
+def _register_with_pagoda_handlers(server, add_generated, service, messages, servicer) -> None:
     make_handler = getattr(server, "service_handler_factory", None)
     if make_handler is None:  # not Serve's proxy server: register as generated
         add_generated(servicer, server)
@@ -77,21 +79,22 @@ def _register_with_pagoda_handlers(server, add_generated, add_in_proxy, servicer
 
     server.service_handler_factory = make_cancellable_handler
     try:
-        add_in_proxy(servicer, server)
+        _add_lenient_servicer(servicer, server, service, messages)
     finally:
         server.service_handler_factory = make_handler
 
 
-def _add_lenient_servicer(servicer, server) -> None:
-    """add_InferenceServicer_to_server, with deserializers that turn bad bytes into UndecodableRequest."""
+def _add_lenient_servicer(servicer, server, service, messages) -> None:
+    """The generated add_*Servicer_to_server of `service` (its messages in the module `messages`),
+    with deserializers that turn bad bytes into UndecodableRequest."""
     handlers = {}
-    for method in SERVICE.methods:
-        request_cls, response_cls = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+    for method in service.methods:
+        request_cls, response_cls = getattr(messages, method.input_type.name), getattr(messages, method.output_type.name)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_lenient(request_cls),
                                      response_serializer=response_cls.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
-    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 def _lenient(message_cls):

@@ -206,6 +206,10 @@ class Ingress:
             raise ValueError(request.service)
         return health_pb2.HealthCheckResponse(status=await self._serving_status())
 
+    async def List(self, request: health_pb2.HealthListRequest) -> health_pb2.HealthListResponse:
+        status = health_pb2.HealthCheckResponse(status=await self._serving_status())
+        return health_pb2.HealthListResponse(statuses={service: status for service in HEALTH_SERVICES})
+
     async def Watch(self, request: health_pb2.HealthCheckRequest):
         """The status now, then each change (looked at every second) until the client leaves."""
         last = None

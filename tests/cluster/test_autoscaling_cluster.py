@@ -31,6 +31,8 @@ def test_a_ramp_scales_replicas_and_nodes_up_then_back_down(model_dir, tmp_path,
     assert ramp["max_replicas"] == 3  # from 1, one per node
     assert ramp["max_nodes"] == 1 + 3  # the head and three launched workers
     assert ramp["first_scale_up_s"] is not None
+    decision = ramp["last_decision"]  # `pagoda status`: the policy's last decision and why
+    assert decision["current_replicas"] >= 1 and "target" in decision["reason"], decision
     assert set(ramp["blocks_left"].values()) == {0}, ramp["blocks_left"]
     assert ramp["replicas_down_s"] <= ramp["nodes_down_s"]  # replicas go first, then their idle nodes
 

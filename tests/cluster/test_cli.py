@@ -111,3 +111,44 @@ def test_serve_refuses_a_shape_that_does_not_fit_the_local_cluster_and_leaves_no
 
 def ray_pids() -> set[str]:
     return set(subprocess.run(["pgrep", "-f", "ray::|raylet|gcs_server"], capture_output=True, text=True).stdout.split())
+
+
+def test_status_shows_each_deployments_replicas_and_the_autoscaling_decision():
+    """`pagoda status` against a stand-in for /v1/pagoda/status (the real one: test_serving)."""
+    import http.server
+    import threading
+
+    from click.testing import CliRunner
+
+    from cluster.cli import main
+
+    report = {"deployments": {
+        "Ingress": {"status": "HEALTHY", "replicas": {"RUNNING": 1}, "autoscaling": None},
+        "LLMServer": {"status": "UPSCALING", "replicas": {"RUNNING": 2, "STARTING": 1}, "autoscaling": {
+            "current_replicas": 2, "target_replicas": 3, "num_replicas": 3,
+            "reason": "num_seqs at 1.50x target: above target"}}}, "engine": {"num_running": 4}}
+
+    class Status(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(report).encode()
+            self.send_response(200 if self.path == "/v1/pagoda/status" else 404)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Status)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = CliRunner().invoke(main, ["status", "--http", f"127.0.0.1:{server.server_port}"])
+    finally:
+        server.shutdown()
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        "Ingress: HEALTHY replicas={'RUNNING': 1}",
+        "LLMServer: UPSCALING replicas={'RUNNING': 2, 'STARTING': 1}",
+        "  autoscaling: 2 running, Serve's target 3, policy asks 3: num_seqs at 1.50x target: above target",
+        "  num_running: 4",
+    ]

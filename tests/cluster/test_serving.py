@@ -91,6 +91,8 @@ def test_standard_grpc_health_and_reflection(server):
         with pytest.raises(grpc.RpcError) as unknown:
             health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "no.such.Service" in unknown.value.details()
+        listed = health.List(health_pb2.HealthListRequest(), timeout=30).statuses
+        assert {name: s.status for name, s in listed.items()} == {"": serving, "pagoda.v1.Inference": serving}
         watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=30)
         assert next(watch).status == serving
         watch.cancel()
