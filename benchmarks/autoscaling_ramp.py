@@ -97,6 +97,11 @@ def run_mode(model: str, mode: str, spec, disaggregated: bool, log) -> dict:
         result["max_replicas"] = max((s["replicas"].get(server, 0) for s in samples if "replicas" in s), default=0)
         result["max_nodes"] = max((s.get("nodes") or 0 for s in samples), default=0)
         result["first_scale_up_s"] = next((s["t"] for s in samples if s.get("replicas", {}).get(server, 0) > 1), None)
+        # when the load first passed one replica's batch, and how long until a second replica served
+        result["overloaded_at_s"] = next(t / 10 for t in range(int(spec.duration_s * 10))
+                                         if spec.users_at(t / 10) > SEQS_PER_REPLICA)
+        if result["first_scale_up_s"] is not None:
+            result["overload_to_new_replica_s"] = result["first_scale_up_s"] - result["overloaded_at_s"]
         result["last_decision"] = status(base)["deployments"][server].get("autoscaling")  # what `pagoda status` shows
         # The load is gone: every replica that served lets go of its blocks at once...
         report = wait_for(lambda: _idle(status(base)), 60, "a replica kept KV blocks after the load stopped")
@@ -176,7 +181,9 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results))
     for result in results:
-        print(f"\n{result['label']}: replicas up to {result['max_replicas']}, nodes up to {result['max_nodes']}")
+        print(f"\n{result['label']}: replicas up to {result['max_replicas']}, nodes up to {result['max_nodes']}, "
+              f"overload at {result['overloaded_at_s']:.0f} s, a second replica serving "
+              f"{result.get('overload_to_new_replica_s', float('nan')):.0f} s later")
         rows = result["timeline"]
         print(markdown_rows(["t (s)", "users", "ok", "failed", "TTFT p50 (ms)", "TTFT p95 (ms)", "replicas", "nodes", "waiting"],
                             [[f"{r['t_s']:.0f}", str(r["users"]), str(r["started"] - r["failed"]), str(r["failed"]),
