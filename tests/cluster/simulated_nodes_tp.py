@@ -20,9 +20,10 @@ def main(model: str) -> int:
     one = LLM(model, num_blocks=128)
     expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY)]
     del one
-    # Nodes with room for one rank each (a rank's bundle is 0.5 CPU), none at the start.
+    # One-CPU nodes (Ray wants whole CPUs), none at the start; STRICT_SPREAD puts the two ranks
+    # (0.5 CPU each) on two of them.
     cluster = SimulatedCluster(head_resources={"CPU": 0, "object_store_memory": 300 << 20},
-                               worker_node_types={"rank": {"resources": {"CPU": 0.5, "object_store_memory": 300 << 20},
+                               worker_node_types={"rank": {"resources": {"CPU": 1, "object_store_memory": 300 << 20},
                                                            "min_workers": 0, "max_workers": 2}})
     try:
         cluster.start()
