@@ -6,11 +6,15 @@ Run by tests/cluster/test_autoscaling_cluster.py in a process of its own.
 """
 
 import json
+import os
 import sys
 
-from cluster import LLM, SamplingParams
-from cluster.simulated_cluster import SimulatedCluster
-from tests.parity_prompts import RAW_PROMPTS
+# Before anything touches Ray: Ray reads its auth mode once, and the cluster uses Ray's token.
+os.environ["RAY_AUTH_MODE"] = "token"
+
+from cluster import LLM, SamplingParams  # noqa: E402
+from cluster.simulated_cluster import SimulatedCluster  # noqa: E402
+from tests.parity_prompts import RAW_PROMPTS  # noqa: E402
 
 PROMPTS = RAW_PROMPTS[:3]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
