@@ -18,18 +18,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-import requests
+# Before Ray is imported (it reads this once): the simulated cluster uses Ray's token auth.
+os.environ["RAY_AUTH_MODE"] = "token"
 
-from cluster.bench import ramp as ramp_module
-from cluster.bench.backends import OpenAIHTTPBackend, default_model
-from cluster.bench.report import markdown_rows
-from cluster.bench.workloads import WorkloadSpec, build
-from cluster.ports import free_port
-from cluster.simulated_cluster import SimulatedCluster
+import requests  # noqa: E402
+
+from cluster.bench import ramp as ramp_module  # noqa: E402
+from cluster.bench.backends import OpenAIHTTPBackend, default_model  # noqa: E402
+from cluster.bench.report import markdown_rows  # noqa: E402
+from cluster.bench.workloads import WorkloadSpec, build  # noqa: E402
+from cluster.ports import free_port  # noqa: E402
+from cluster.simulated_cluster import SimulatedCluster  # noqa: E402
 
 MAX_WORKERS = 3
 SEQS_PER_REPLICA = 2
@@ -112,7 +116,10 @@ def run_mode(model: str, mode: str, spec, disaggregated: bool, log) -> dict:
             down = time.monotonic()
             wait_for(lambda: running(status(base), server) == 1, 240, "the replicas did not go back to 1")
             result["replicas_down_s"] = time.monotonic() - down
-            wait_for(lambda: len(cluster.worker_nodes()) == 1, 240, "the idle nodes were not stopped")
+            try:
+                wait_for(lambda: len(cluster.worker_nodes()) == 1, 240, "the idle nodes were not stopped")
+            except TimeoutError as e:
+                raise TimeoutError(f"{e}; alive on the worker nodes: {what_runs_on(cluster.worker_nodes())}") from None
             result["nodes_down_s"] = time.monotonic() - down
         result["wall_s"] = time.monotonic() - served_at
         log(f"{result['label']}: {sum(r.ok for r in records)}/{len(records)} ok, replicas up to "
@@ -137,6 +144,18 @@ async def _ramp(base: str, requests_, spec):
                                           lambda: ramp_module.pagoda_state(status(base)), sample_every_s=2.0)
     finally:
         await backend.close()
+
+
+def what_runs_on(nodes: list[dict]) -> dict:
+    """Each node's alive actors and free resources (why the autoscaler keeps it). From the GCS:
+    the simulated cluster runs no dashboard, which Ray's state API needs."""
+    from ray._private.state import state
+
+    ids = {n["NodeID"] for n in nodes}
+    actors = [a for a in state.actor_table(None).values() if a["State"] == "ALIVE" and a["Address"]["NodeID"] in ids]
+    free = state.available_resources_per_node()
+    return {node[-5:]: {"actors": [(a["ActorClassName"], a["Name"], a["Pid"]) for a in actors if a["Address"]["NodeID"] == node],
+                        "free": free.get(node)} for node in ids}
 
 
 def _idle(report: dict) -> dict | None:

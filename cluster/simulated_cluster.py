@@ -83,10 +83,12 @@ class SimulatedCluster:
         return self.address
 
     def connect(self, **init_kwargs) -> None:
-        """ray.init to this cluster (with Ray's token, as `ray start` set the cluster up)."""
+        """ray.init to this cluster. The cluster uses Ray's token auth, and a driver that joins it
+        must have RAY_AUTH_MODE=token in its environment before it imports Ray (read once)."""
         import ray
 
-        os.environ["RAY_AUTH_MODE"] = "token"  # a driver joining a cluster does not turn it on by itself
+        if os.environ.get("RAY_AUTH_MODE") != "token":
+            raise RuntimeError("set RAY_AUTH_MODE=token before Ray is imported to join a simulated cluster")
         ray.init(address=self.address, **init_kwargs)
 
     def _session_name(self) -> str:
