@@ -1,17 +1,20 @@
 """The CLI contract of DESIGN.md §5, run as a user runs it."""
 
 import json
+import os
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 PAGODA = [sys.executable, "-m", "cluster.cli"]
 
 
-def run(*args, input=None):
-    return subprocess.run([*PAGODA, *args], capture_output=True, text=True, input=input, timeout=300)
+def run(*args, input=None, env=None):
+    return subprocess.run([*PAGODA, *args], capture_output=True, text=True, input=input, timeout=300, env=env)
 
 
 def test_model_fetch_prints_the_directory_and_does_nothing_twice(model_dir):
@@ -96,21 +99,29 @@ def test_serve_refuses_a_front_door_before_several_ingress_replicas(model_dir, t
 
 def test_serve_refuses_a_shape_that_does_not_fit_the_local_cluster_and_leaves_nothing(model_dir):
     """The README's disaggregated shape on a 2-CPU cluster: 3 CPUs asked for, refused at once."""
-    before = ray_pids()  # the session's cluster, if it runs
+    marker = f"PAGODA_TEST_{uuid.uuid4().hex}"  # every process it starts inherits this environment
     result = run("serve", "--model", model_dir, "--http-port", "18999", "--grpc-port", "19999", "--num-cpus", "2",
-                 "--disaggregated", "--prefill-tp", "2", "--decode-tp", "1")
+                 "--disaggregated", "--prefill-tp", "2", "--decode-tp", "1", env={**os.environ, marker: "1"})
     assert result.returncode != 0 and "pagoda ready" not in result.stdout
     assert "PrefillServer replica 1: 2 TP ranks cannot be placed" in result.stderr
     assert "It needs CPU 3 (the cluster has 2)" in result.stderr and "--num-cpus" in result.stderr
     assert "Traceback" not in result.stderr
     deadline = time.monotonic() + 15  # processes that are stopping may take a moment to be gone
-    while ray_pids() - before and time.monotonic() < deadline:
+    while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not ray_pids() - before, "Ray processes were left running"
+    assert not processes_with(marker), "processes of the refused server were left running"
 
 
-def ray_pids() -> set[str]:
-    return set(subprocess.run(["pgrep", "-f", "ray::|raylet|gcs_server"], capture_output=True, text=True).stdout.split())
+def processes_with(marker: str) -> list[int]:
+    """The live processes whose environment holds `marker` (a server's, and all it started)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
 
 
 def test_status_shows_each_deployments_replicas_and_the_autoscaling_decision():

@@ -22,7 +22,7 @@ from cluster.serve.placement import app_demands, unplaced
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayservices.yaml"
+CRD = Path(__file__).parent / "kuberay" / "ray.io_rayservices.yaml"  # KubeRay's, as in ../shared/kuberay/
 KUBERNETES_VERSION = "1.33.0"  # the oldest Kubernetes these manifests promise to validate against
 KUSTOMIZATIONS = ["base", "overlays/cpu-dev", "overlays/gpu", "overlays/gpu-disaggregated"]
 OVERLAYS = KUSTOMIZATIONS[1:]
