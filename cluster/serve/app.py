@@ -28,9 +28,8 @@ GRPC_SERVICERS = ["cluster.serve.grpc_servicer.add_inference_servicer", "cluster
 # unless queue lengths differ by more than the threshold; then power-of-two-choices by load.
 # It is the class ray.serve.llm.request_router re-exports; that package's __init__ needs vLLM or
 # SGLang installed, so the router is named by the module that defines it.
-PREFIX_AFFINITY_ROUTER = {
-    "request_router_class":
-        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",
+PREFIX_AFFINITY_ROUTER = {  # Serve's, with its helper actor on the head (cluster/serve/routing.py)
+    "request_router_class": "cluster.serve.routing.HeadNodePrefixAffinityRouter",
     "request_router_kwargs": {"imbalanced_threshold": 4},
 }
 
