@@ -27,6 +27,9 @@ from pathlib import Path
 from cluster.ports import free_port
 
 
+MARKER = "PAGODA_SIMULATED_CLUSTER"
+
+
 class SimulatedCluster:
     def __init__(self, head_resources: dict, worker_node_types: dict, idle_timeout_minutes: float = 0.25,
                  env: dict | None = None):
@@ -71,8 +74,9 @@ class SimulatedCluster:
                f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}"]
         if resources:
             cmd.append(f"--resources={json.dumps(resources)}")
+        # Every process of this cluster inherits the marker, whatever title it gives itself later.
         env = {**os.environ, "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "token",
-               **self.env}
+               MARKER: self.temp_dir.name, **self.env}
         started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         if started.returncode != 0:
             self.session = self._session_name()
@@ -119,16 +123,16 @@ class SimulatedCluster:
         self.session = None
 
     def _session_pids(self) -> list[int]:
-        me = os.getpid()
+        """This cluster's processes: those with its marker in their environment (Ray's agents
+        rename themselves, so command lines do not tell)."""
+        me, marker = os.getpid(), f"{MARKER}={self.temp_dir.name}".encode()
         pids = []
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit() or int(proc.name) == me:
                 continue
             try:
-                cmdline = (proc / "cmdline").read_bytes()
-                environ = (proc / "environ").read_bytes() if self.session.encode() not in cmdline else b""
+                if marker in (proc / "environ").read_bytes():
+                    pids.append(int(proc.name))
             except OSError:
                 continue
-            if self.session.encode() in cmdline or str(self.temp_dir).encode() in cmdline + environ:
-                pids.append(int(proc.name))
         return pids
