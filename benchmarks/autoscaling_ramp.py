@@ -154,7 +154,8 @@ def what_runs_on(nodes: list[dict]) -> dict:
     ids = {n["NodeID"] for n in nodes}
     actors = [a for a in state.actor_table(None).values() if a["State"] == "ALIVE" and a["Address"]["NodeID"] in ids]
     free = state.available_resources_per_node()
-    return {node[-5:]: {"actors": [(a["ActorClassName"], a["Name"], a["Pid"]) for a in actors if a["Address"]["NodeID"] == node],
+    return {node[-5:]: {"actors": [(a["ActorClassName"], a["Name"], a["Pid"], f"created from node {a['OwnerAddress']['NodeID'][-5:]}")
+                                   for a in actors if a["Address"]["NodeID"] == node],
                         "free": free.get(node)} for node in ids}
 
 

@@ -8,6 +8,9 @@ schedule; it lands on a worker node, and an alive actor keeps that node from eve
 Ray's autoscaler could never remove it (seen on the simulated cluster: benchmarks/autoscaling_ramp.py
 --disaggregated). Created here first, same name and namespace, with no CPU and affinity to the head;
 the router then finds it (get_if_exists) and Serve's controller still cleans it up on shutdown.
+The affinity is hard: Ray places a task or actor that asks for no resources on a random node when
+its node affinity is soft (ray-project/ray#25360 fixed only the hard case), which is what put one of
+the two tree actors of a disaggregated app on a worker.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def _tree_actor_on_head(deployment_id):
     parts = [SERVE_NAMESPACE, *([deployment_id.app_name, deployment_id.name] if deployment_id else [])]
     actor = PrefixTreeActor.options(
         name="LlmPrefixTreeActor", namespace="::".join(p for p in parts if p), get_if_exists=True,
-        lifetime="detached", num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=True),
+        lifetime="detached", num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False),
     ).remote()
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     ray.get(controller._register_shutdown_cleanup_actor.remote(actor))  # as the router does for its own
