@@ -201,7 +201,8 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results))
     for result in results:
-        print(f"\n{result['label']}: replicas up to {result['max_replicas']}, nodes up to {result['max_nodes']}, "
+        print(f"\n{result['label']}: {result['ok']} requests ok, TTFT p50 {result['ttft_p50_ms']:.0f} ms, "
+              f"p95 {result['ttft_p95_ms']:.0f} ms; replicas up to {result['max_replicas']}, nodes up to {result['max_nodes']}, "
               f"overload at {result['overloaded_at_s']:.0f} s, a second replica serving "
               f"{result.get('overload_to_new_replica_s', float('nan')):.0f} s later")
         rows = result["timeline"]

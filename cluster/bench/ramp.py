@@ -122,7 +122,9 @@ def pagoda_state(status: dict) -> dict:
 
 
 def ramp_result(label: str, spec: RampSpec, records: list[RequestRecord], samples: list[dict]) -> dict:
+    ttfts = [r.ttft * 1000 for r in records if r.ok]
     return {"label": label, "ramp": asdict(spec), "timeline": timeline(records, samples, spec),
+            "ok": len(ttfts), "ttft_p50_ms": percentile(ttfts, 50), "ttft_p95_ms": percentile(ttfts, 95),
             "samples": samples, "records": [r.to_json() for r in records]}
 
 
