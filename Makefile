@@ -27,8 +27,10 @@ serve: model
 demo: model
 	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
 
+# Two workers, each file whole on one of them (its module fixtures and ports are its own); each
+# worker starts its own session server.
 test: model
-	$(BIN)/python -m pytest -q --durations=30 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 bench: model
 	$(BIN)/python -m benchmarks.offline_throughput

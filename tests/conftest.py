@@ -86,14 +86,14 @@ def references(hf_model, encoded):
     return [hf_greedy(hf_model, ids, PARITY_MAX_TOKENS) for ids in encoded]
 
 
-SERVER_HTTP_PORT, SERVER_GRPC_PORT, SERVER_METRICS_PORT = 18000, 19000, 18080
-
-
 @pytest.fixture(scope="session")
 def server(model_dir):
     """One real local Ray cluster + Serve (gRPC and HTTP proxies) with Pagoda, for the session."""
+    from cluster.ports import free_port
     from cluster.serve import launcher
 
+    # Free ports, not fixed ones: under `pytest -n` every worker starts a server of its own.
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     args = {
         "model": model_dir,
         "engine": {"kv_cache_bytes": 256 << 20, "max_num_seqs": 16},
@@ -108,11 +108,11 @@ def server(model_dir):
     # Ray exports metrics every 10 s by default; 1 s lets metric tests settle quickly and surely.
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     # 4 logical CPUs on 2 cores: room for the TP worker groups the disaggregation tests add.
-    info = launcher.start(args, SERVER_HTTP_PORT, SERVER_GRPC_PORT, num_cpus=4, metrics_port=SERVER_METRICS_PORT)
+    info = launcher.start(args, http_port, grpc_port, num_cpus=4, metrics_port=metrics_port)
     yield {
-        "metrics": f"http://127.0.0.1:{SERVER_METRICS_PORT}/metrics",
-        "http": f"http://127.0.0.1:{SERVER_HTTP_PORT}",
-        "grpc": f"127.0.0.1:{SERVER_GRPC_PORT}",
+        "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+        "http": f"http://127.0.0.1:{http_port}",
+        "grpc": f"127.0.0.1:{grpc_port}",
         "model": info["id"],
     }
     launcher.stop()

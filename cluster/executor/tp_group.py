@@ -82,7 +82,7 @@ class TPGroup:
         bundle = {"CPU": cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         self.placement = placement_group([bundle] * tp_size, strategy=placement_strategy)
         ray.get(self.placement.ready(), timeout=120)
-        init_method = ray.get(_rendezvous_on_rank0_node.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        self.init_method = init_method = ray.get(_rendezvous_on_rank0_node.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=self.placement, placement_group_bundle_index=0)).remote(), timeout=120)
         one_host = len(set(placement_group_table(self.placement)["bundles_to_node_id"].values())) == 1
         shared_memory = collective == "auto" and one_host

@@ -33,8 +33,10 @@ def test_tp2_ranks_hold_their_kv_heads(tp2):
     assert len({r["pid"] for r in ranks}) == 2 and all(r["num_blocks"] == 64 for r in ranks)
     # one host: deepspeed's shared-memory all-reduce, not gloo over TCP
     assert [r["collective"] for r in ranks] == ["deepspeed-shm"] * 2
-    # its shared-memory segments are unlinked once mapped: nothing stays in /dev/shm after the group
-    assert not list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_127.0.0.1_*"))
+    # its shared-memory segments (named after the rendezvous address) are unlinked once mapped:
+    # nothing of this group stays in /dev/shm
+    host, port = tp2.engine.executor.init_method.removeprefix("tcp://").rsplit(":", 1)
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{host}_{port}_*"))
 
 
 def test_tp2_swap_preemption_gives_the_same_tokens(server, model_dir, llm):
