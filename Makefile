@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	# The constraint keeps the local CPU torch wheel; on GPU machines run: pip install -e '.[test]'
 	# DS_BUILD_OPS=0: deepspeed compiles the one op Pagoda uses (CPU shared-memory all-reduce) on first use
-	DS_BUILD_OPS=0 PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q -e '.[test]'
+	# --no-compile: Python compiles what it imports when it first imports it (installing took 108 s
+	# with every file of torch, Ray, ... compiled, 54 s without)
+	DS_BUILD_OPS=0 PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q --no-compile -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,10 +29,11 @@ serve: model
 demo: model
 	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
 
-# Two workers, each file whole on one of them (its module fixtures and ports are its own); each
-# worker starts its own session server.
+# pytest-xdist workers, each file whole on one of them (its module fixtures and fixed ports are
+# its own); every worker starts a session server of its own. Two: the suite is CPU-bound on 2 cores.
+TEST_WORKERS ?= 2
 test: model
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 bench: model
 	$(BIN)/python -m benchmarks.offline_throughput

@@ -161,7 +161,9 @@ def what_runs_on(nodes: list[dict]) -> dict:
 
 def _idle(report: dict) -> dict | None:
     groups = report.get("groups", [])
-    busy = [g for g in groups if g["stats"]["kv_blocks_free"] != g["stats"]["kv_blocks_total"] or g["stats"]["num_running"]]
+    # A replica that did not answer (starting, stopping, too busy to answer in time) is not known idle.
+    busy = [g for g in groups if "stats" not in g
+            or g["stats"]["kv_blocks_free"] != g["stats"]["kv_blocks_total"] or g["stats"]["num_running"]]
     return report if groups and not busy else None
 
 
