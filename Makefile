@@ -29,11 +29,8 @@ serve: model
 demo: model
 	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
 
-# pytest-xdist workers, each file whole on one of them (its module fixtures and fixed ports are
-# its own); every worker starts a session server of its own. Two: the suite is CPU-bound on 2 cores.
-TEST_WORKERS ?= 2
 test: model
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 bench: model
 	$(BIN)/python -m benchmarks.offline_throughput

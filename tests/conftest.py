@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -80,31 +79,11 @@ def encoded(llm):
 
 
 @pytest.fixture(scope="session")
-def references(request, encoded, tmp_path_factory):
-    """HF transformers' greedy answers to the parity prompts: the oracle. Computed once per run:
-    under `pytest -n` the first worker that needs them leaves them for the others (the same
-    prompt ids, checked), in the run's own temporary directory."""
-    from dataclasses import asdict
+def references(hf_model, encoded):
+    """HF transformers' greedy answers to the parity prompts: the oracle."""
+    from tests.hf_reference import hf_greedy
 
-    from filelock import FileLock
-
-    from tests.hf_reference import Reference, hf_greedy
-
-    def compute():
-        hf_model = request.getfixturevalue("hf_model")
-        return [hf_greedy(hf_model, ids, PARITY_MAX_TOKENS) for ids in encoded]
-
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return compute()
-    shared = tmp_path_factory.getbasetemp().parent / "hf_references.json"  # the run's, not the worker's
-    with FileLock(f"{shared}.lock"):
-        if shared.exists():
-            saved = json.loads(shared.read_text())
-            assert saved["prompt_ids"] == encoded
-            return [Reference(**r) for r in saved["references"]]
-        references = compute()
-        shared.write_text(json.dumps({"prompt_ids": encoded, "references": [asdict(r) for r in references]}))
-        return references
+    return [hf_greedy(hf_model, ids, PARITY_MAX_TOKENS) for ids in encoded]
 
 
 @pytest.fixture(scope="session")
@@ -113,7 +92,7 @@ def server(model_dir):
     from cluster.ports import free_port
     from cluster.serve import launcher
 
-    # Free ports, not fixed ones: under `pytest -n` every worker starts a server of its own.
+    # Free ports: nothing else on the host (another checkout's tests, a server) can be in the way.
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     args = {
         "model": model_dir,
