@@ -13,9 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	# The constraint keeps the local CPU torch wheel; on GPU machines run: pip install -e '.[test]'
 	# DS_BUILD_OPS=0: deepspeed compiles the one op Pagoda uses (CPU shared-memory all-reduce) on first use
-	# --no-compile: Python compiles what it imports when it first imports it (installing took 108 s
-	# with every file of torch, Ray, ... compiled, 54 s without)
-	DS_BUILD_OPS=0 PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q --no-compile -e '.[test]'
+	# Compiled at install (pip's default), not skipped: where PYTHONDONTWRITEBYTECODE is set (this
+	# machine) every process would compile each module it imports, and Ray starts many processes
+	DS_BUILD_OPS=0 PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
