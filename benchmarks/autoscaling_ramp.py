@@ -71,10 +71,6 @@ def status(base: str) -> dict:
     return requests.get(f"{base}/v1/pagoda/status", timeout=60).json()
 
 
-def running(report: dict, deployment: str) -> int:
-    return report["deployments"].get(deployment, {}).get("replicas", {}).get("RUNNING", 0)
-
-
 def run_mode(model: str, mode: str, spec, disaggregated: bool, log) -> dict:
     """One cluster, one deployment, one ramp; the ramp's result with what happened after it."""
     import ray
@@ -114,7 +110,7 @@ def run_mode(model: str, mode: str, spec, disaggregated: bool, log) -> dict:
         # ...then Serve stops the extra replicas and Ray's autoscaler the idle nodes.
         if autoscaled:
             down = time.monotonic()
-            wait_for(lambda: running(status(base), server) == 1, 240, "the replicas did not go back to 1")
+            wait_for(lambda: ramp_module.pagoda_state(status(base))["replicas"].get(server) == 1, 240, "the replicas did not go back to 1")
             result["replicas_down_s"] = time.monotonic() - down
             try:
                 wait_for(lambda: len(cluster.worker_nodes()) == 1, 240, "the idle nodes were not stopped")
