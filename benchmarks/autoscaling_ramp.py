@@ -2,7 +2,7 @@
 model server autoscaled (1 to 3 replicas, one per worker node, nodes launched as replicas need
 them) against one fixed replica under the same ramp.
 
-    python -m benchmarks.autoscaling_ramp [--ramp 1:12:90] [--hold 30] [--disaggregated]
+    python -m benchmarks.autoscaling_ramp [--ramp 1:12:90] [--hold 30] [--fall SECONDS] [--disaggregated]
         [--modes autoscaled,fixed] [--out benchmarks/results/autoscaling_ramp.json] [--plot PNG]
 
 The cluster (cluster/simulated_cluster.py): a head with no CPU for replicas (Serve's controller,
@@ -185,6 +185,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ramp", default="1:12:90", help="LOW:HIGH:SECONDS users (then back down)")
     parser.add_argument("--hold", type=float, default=30.0, help="seconds at HIGH")
+    parser.add_argument("--fall", type=float, default=None, help="seconds back down to LOW (default: as the rise; 0: stop)")
     parser.add_argument("--window", type=float, default=10.0, help="timeline window, seconds")
     parser.add_argument("--disaggregated", action="store_true", help="autoscale the decode side of a disaggregated app")
     parser.add_argument("--modes", default="autoscaled,fixed")
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/autoscaling_ramp.json")
     parser.add_argument("--plot", default=None, help="PNG of the timelines")
     args = parser.parse_args(argv)
-    spec = ramp_module.RampSpec.parse(args.ramp, hold_s=args.hold, window_s=args.window)
+    spec = ramp_module.RampSpec.parse(args.ramp, hold_s=args.hold, window_s=args.window, fall_s=args.fall)
     model = default_model(args.model)
     results = [run_mode(model, mode, spec, args.disaggregated, log=lambda m: print(m, file=sys.stderr))
                for mode in args.modes.split(",")]

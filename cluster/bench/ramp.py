@@ -2,7 +2,7 @@
 
 The offered load is a number of users (closed loop: each sends its next request when its last one
 ends) that rises linearly from LOW to HIGH over RISE seconds, holds for HOLD seconds, then falls
-back over RISE seconds. Meanwhile the target's own view is sampled every few seconds (Pagoda's
+back over FALL seconds (as long as the rise unless given; 0: the load stops at once). Meanwhile the target's own view is sampled every few seconds (Pagoda's
 /v1/pagoda/status: replicas per deployment, Ray nodes, requests waiting in the engines). The
 timeline, one row per window, puts them side by side: users, requests started and failed, TTFT and
 TPOT percentiles of the requests that started in the window, replicas, nodes, queue.
@@ -26,22 +26,29 @@ class RampSpec:
     rise_s: float
     hold_s: float = 0.0
     window_s: float = 10.0
+    fall_s: float | None = None  # None: as long as the rise
 
     @classmethod
-    def parse(cls, text: str, hold_s: float = 0.0, window_s: float = 10.0) -> "RampSpec":
-        """"1:16:120" -> from 1 to 16 users over 120 s (and back down over 120 s)."""
+    def parse(cls, text: str, hold_s: float = 0.0, window_s: float = 10.0, fall_s: float | None = None) -> "RampSpec":
+        """"1:16:120" -> from 1 to 16 users over 120 s (and back down over 120 s, or `fall_s`)."""
         try:
             low, high, rise = text.split(":")
-            spec = cls(int(low), int(high), float(rise), hold_s, window_s)
+            spec = cls(int(low), int(high), float(rise), hold_s, window_s, fall_s)
         except ValueError:
             raise ValueError(f"--ramp: expected LOW:HIGH:SECONDS (e.g. 1:16:120), got {text!r}") from None
         if not 1 <= spec.low <= spec.high or spec.rise_s <= 0 or spec.hold_s < 0 or spec.window_s <= 0:
             raise ValueError(f"--ramp: need 1 <= LOW <= HIGH and SECONDS > 0, got {text!r}")
+        if spec.fall < 0:
+            raise ValueError(f"the ramp's fall: expected SECONDS >= 0, got {fall_s}")
         return spec
 
     @property
+    def fall(self) -> float:
+        return self.rise_s if self.fall_s is None else self.fall_s
+
+    @property
     def duration_s(self) -> float:
-        return 2 * self.rise_s + self.hold_s
+        return self.rise_s + self.hold_s + self.fall
 
     def users_at(self, t: float) -> int:
         """Users active `t` seconds into the ramp."""
@@ -49,8 +56,10 @@ class RampSpec:
             share = t / self.rise_s
         elif t < self.rise_s + self.hold_s:
             share = 1.0
+        elif self.fall > 0:
+            share = max(0.0, 1 - (t - self.rise_s - self.hold_s) / self.fall)
         else:
-            share = max(0.0, 1 - (t - self.rise_s - self.hold_s) / self.rise_s)
+            share = 0.0
         return self.low + round(share * (self.high - self.low))
 
 

@@ -4,7 +4,7 @@ the rest with an explicit error, never a silent cut.
     pagoda serve gets SIGTERM/SIGINT ─> DrainSignal.start(timeout) ─┐   (a named actor)
                                                                      ▼
     Ingress / LLMServer replicas: a DrainWatcher thread reports the replica's in-flight count
-    every 0.25 s and learns the deadline: from then on new requests get 503 / UNAVAILABLE with
+    every second (every 0.25 s once draining) and learns the deadline: from then on new requests get 503 / UNAVAILABLE with
     Retry-After; at the deadline the LLMServer fails what still runs (ServerDrainingError).
                                                                      │
     the CLI waits until every replica reports nothing in flight (or the deadline), then stops
@@ -25,7 +25,8 @@ from typing import Callable
 logger = logging.getLogger("pagoda.drain")
 
 ACTOR_NAME, ACTOR_NAMESPACE = "pagoda-drain", "pagoda"
-REPORT_INTERVAL_S = 0.25
+REPORT_INTERVAL_S = 0.25  # while draining: the CLI stops as soon as the last request ends
+IDLE_REPORT_INTERVAL_S = 1.0  # otherwise: the drain is noticed within a second, at a quarter of the calls
 # A replica silent this long is gone (Serve replaced or stopped it): the drain stops counting it.
 GONE_AFTER_S = 5.0
 
@@ -90,7 +91,7 @@ def drain(signal, timeout_s: float, log=logger.info) -> bool:
     ray.get(signal.start.remote(timeout_s))
     deadline = time.monotonic() + timeout_s
     log(f"draining: new requests are refused, {timeout_s:.0f} s for the ones in flight")
-    while time.monotonic() < deadline + 2 * REPORT_INTERVAL_S + 1:
+    while time.monotonic() < deadline + IDLE_REPORT_INTERVAL_S + REPORT_INTERVAL_S + 1:
         num_in_flight, unaware = ray.get(signal.num_in_flight.remote())
         if num_in_flight == 0 and unaware == 0:
             return time.monotonic() <= deadline
@@ -143,4 +144,4 @@ class DrainWatcher:
             if self.deadline is not None and not fired and time.time() >= self.deadline and self._on_deadline:
                 fired = True
                 self._on_deadline()
-            self._stopped.wait(REPORT_INTERVAL_S)
+            self._stopped.wait(REPORT_INTERVAL_S if self.draining else IDLE_REPORT_INTERVAL_S)

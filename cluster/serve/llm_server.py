@@ -339,18 +339,24 @@ class LLMServer:
                 self._streams.pop(request_id, None)
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
-            stream.put(error)
-        self._streams.clear()
+        self._end_streams(list(self._streams), error)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
-        for request_id, stream in list(self._streams.items()):
-            if stream.deadline is not None and now > stream.deadline:
-                self.engine.abort_request(request_id)
-                del self._streams[request_id]
-                stream.put(RequestTimeoutError("the request ran past its deadline and was stopped"))
+        expired = [rid for rid, stream in self._streams.items() if stream.deadline is not None and now > stream.deadline]
+        self._end_streams(expired, RequestTimeoutError("the request ran past its deadline and was stopped"))
+
+    def _end_streams(self, request_ids: list[str], error: Exception) -> None:
+        """Aborts these requests, then tells their callers: whoever gets the error sees the
+        blocks freed (the stats snapshot is taken in between)."""
+        if not request_ids:
+            return
+        streams = [self._streams.pop(request_id) for request_id in request_ids]
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+        self._last_stats = self.engine.stats()
+        for stream in streams:
+            stream.put(error)
 
     def _deliver(self, delta: RequestDelta) -> None:
         stream = self._streams.get(delta.request_id)

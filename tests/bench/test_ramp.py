@@ -16,6 +16,14 @@ def test_the_ramp_rises_holds_and_falls():
     assert [spec.users_at(t) for t in (0, 2, 4, 6, 8, 10, 12, 14, 16, 19.9)] == [1, 3, 5, 7, 9, 9, 9, 7, 5, 1]
 
 
+def test_a_ramp_with_no_fall_stops_the_load_after_the_hold():
+    spec = RampSpec.parse("1:8:10", hold_s=5, fall_s=0)
+    assert spec.duration_s == 15
+    assert [spec.users_at(t) for t in (0, 5, 10, 14.9)] == [1, 5, 8, 8]
+    with pytest.raises(ValueError, match="fall"):
+        RampSpec.parse("1:8:10", fall_s=-1)
+
+
 @pytest.mark.parametrize("text", ["16:1:10", "1:16", "a:b:c", "0:4:10", "1:4:0"])
 def test_bad_ramps_are_refused(text):
     with pytest.raises(ValueError, match="--ramp"):

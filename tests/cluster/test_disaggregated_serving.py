@@ -3,7 +3,7 @@ its own Serve application on the session's Ray cluster (route prefix and gRPC `a
 metadata select it), deployed for its test and deleted after.
 
 - TP=2 colocated, and prefill TP=2 -> decode TP=1 disaggregated (KV re-sharded on the way): greedy
-  answers to the parity prompts equal HF transformers token for token.
+  answers to a subset of the parity prompts equal HF transformers token for token.
 - `pagoda status --json` shows the groups, their ranks and where each runs.
 - With two prefill replicas, Serve's prefix-affinity router sends prompts that share a prefix to
   the replica that holds it.
@@ -28,7 +28,7 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
 from tests.conftest import PARITY_MAX_TOKENS
 from tests.hf_reference import check_all
-from tests.parity_prompts import DOC, parity_prompts, without_long_twins
+from tests.parity_prompts import DOC, parity_prompts
 
 # The server-level TP groups use gloo: deepspeed's shared-memory all-reduce busy-waits, and on 2
 # cores shared with another CPU-bound process (Ray runs its workers at nice 15) a waiting rank
@@ -96,9 +96,11 @@ def answer(app, request: pb.GenerateRequest, timeout: float = 300) -> list[int]:
     return [t for r in app["stub"].Generate(request, metadata=app["metadata"], timeout=timeout) for t in r.token_ids]
 
 
-# Over a TP=2 group (gloo) each 2K-token prefill costs ~20 s here; the engine-level TP tests run
-# every parity prompt.
-SERVER_PARITY = without_long_twins()
+# What the server adds to the engine is the plumbing (TP groups behind Serve, the KV hand-off between
+# deployments), so a few prompts of each kind: chats (one multi-turn), plain text, a one-token prompt
+# and the 700-token document (44 blocks to hand over). Over a TP=2 group (gloo) each 2.9K-token
+# prefill would cost ~20 s here; the engine-level TP and transfer tests run every parity prompt.
+SERVER_PARITY = [0, 3, 8, 9, 12, 17, 18, 19]
 
 
 def parity_answers(app) -> list[list[int]]:

@@ -29,9 +29,24 @@ def stop_and_check_nothing_is_left(proc: subprocess.Popen, children: list[psutil
     assert children, "the server started no Ray processes?"
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
     proc.wait(timeout=180)
-    time.sleep(2)
-    alive = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, [" ".join(p.cmdline()[:3]) for p in alive]
+    assert_all_gone(children)
+
+
+def assert_all_gone(processes: list[psutil.Process], timeout_s: float = 30) -> None:
+    """Every one of these processes exits within the timeout (Ray's stop their children
+    asynchronously, so a moment after the server itself)."""
+    deadline = time.monotonic() + timeout_s
+    while alive := [p for p in processes if _alive(p)]:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still running: {[' '.join(p.cmdline()[:3]) for p in alive]}")
+        time.sleep(0.5)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None:
