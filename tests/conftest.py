@@ -32,6 +32,7 @@ REAL_MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model", "llm", "server", "s
 SESSION_FIXTURES = {"server", "hf_model"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
