@@ -29,10 +29,8 @@ serve: model
 demo: model
 	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
 
-# Two workers (tests/conftest.py says which tests go together); TEST_WORKERS=0: one process
-TEST_WORKERS ?= 2
 test: model
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30 tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 bench: model
 	$(BIN)/python -m benchmarks.offline_throughput

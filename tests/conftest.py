@@ -24,21 +24,12 @@ import torch  # noqa: E402
 
 # A test that uses one of these loads the real default model (or a server of it): slow.
 REAL_MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model", "llm", "server", "stub"}
-# `make test` runs two pytest-xdist workers (--dist loadgroup). The tests that use the session's
-# Ray cluster or the HF oracle run on one of them, so that each of those is started once (a second
-# session cluster beside the first ran this 24 GB machine out of memory); the other worker takes
-# the rest: the tests that start clusters and servers of their own, which spend much of their
-# time waiting on them, and the engine's in-process tests.
-SESSION_FIXTURES = {"server", "hf_model"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if REAL_MODEL_FIXTURES & fixtures:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)  # `pytest -m "not slow"`: the fast tests alone
-        item.add_marker(pytest.mark.xdist_group("session" if SESSION_FIXTURES & fixtures else "own"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
