@@ -2,8 +2,8 @@
 
 The offered load is a number of users (closed loop: each sends its next request when its last one
 ends) that rises linearly from LOW to HIGH over RISE seconds, holds for HOLD seconds, then falls
-back over FALL seconds (as long as the rise unless given; 0: the load stops at once). Meanwhile the target's own view is sampled every few seconds (Pagoda's
-/v1/pagoda/status: replicas per deployment, Ray nodes, requests waiting in the engines). The
+back over FALL seconds (as long as the rise unless given; 0: the load stops at once). Meanwhile
+the target's own view is sampled every few seconds (Pagoda's /v1/pagoda/status: replicas per deployment, Ray nodes, requests waiting in the engines). The
 timeline, one row per window, puts them side by side: users, requests started and failed, TTFT and
 TPOT percentiles of the requests that started in the window, replicas, nodes, queue.
 """
@@ -28,6 +28,10 @@ class RampSpec:
     window_s: float = 10.0
     fall_s: float | None = None  # None: as long as the rise
 
+    def __post_init__(self):
+        if self.fall_s is None:
+            object.__setattr__(self, "fall_s", self.rise_s)
+
     @classmethod
     def parse(cls, text: str, hold_s: float = 0.0, window_s: float = 10.0, fall_s: float | None = None) -> "RampSpec":
         """"1:16:120" -> from 1 to 16 users over 120 s (and back down over 120 s, or `fall_s`)."""
@@ -38,17 +42,13 @@ class RampSpec:
             raise ValueError(f"--ramp: expected LOW:HIGH:SECONDS (e.g. 1:16:120), got {text!r}") from None
         if not 1 <= spec.low <= spec.high or spec.rise_s <= 0 or spec.hold_s < 0 or spec.window_s <= 0:
             raise ValueError(f"--ramp: need 1 <= LOW <= HIGH and SECONDS > 0, got {text!r}")
-        if spec.fall < 0:
+        if spec.fall_s < 0:
             raise ValueError(f"the ramp's fall: expected SECONDS >= 0, got {fall_s}")
         return spec
 
     @property
-    def fall(self) -> float:
-        return self.rise_s if self.fall_s is None else self.fall_s
-
-    @property
     def duration_s(self) -> float:
-        return self.rise_s + self.hold_s + self.fall
+        return self.rise_s + self.hold_s + self.fall_s
 
     def users_at(self, t: float) -> int:
         """Users active `t` seconds into the ramp."""
@@ -56,8 +56,8 @@ class RampSpec:
             share = t / self.rise_s
         elif t < self.rise_s + self.hold_s:
             share = 1.0
-        elif self.fall > 0:
-            share = max(0.0, 1 - (t - self.rise_s - self.hold_s) / self.fall)
+        elif self.fall_s > 0:
+            share = max(0.0, 1 - (t - self.rise_s - self.hold_s) / self.fall_s)
         else:
             share = 0.0
         return self.low + round(share * (self.high - self.low))

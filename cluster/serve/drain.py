@@ -4,8 +4,9 @@ the rest with an explicit error, never a silent cut.
     pagoda serve gets SIGTERM/SIGINT ─> DrainSignal.start(timeout) ─┐   (a named actor)
                                                                      ▼
     Ingress / LLMServer replicas: a DrainWatcher thread reports the replica's in-flight count
-    every second (every 0.25 s once draining) and learns the deadline: from then on new requests get 503 / UNAVAILABLE with
-    Retry-After; at the deadline the LLMServer fails what still runs (ServerDrainingError).
+    every second (every 0.25 s once draining) and learns the deadline: from then on new requests
+    get 503 / UNAVAILABLE with Retry-After; at the deadline the LLMServer fails what still runs
+    (ServerDrainingError).
                                                                      │
     the CLI waits until every replica reports nothing in flight (or the deadline), then stops
     Serve (each LLMServer moves its prefix cache down to the tiers) and the Ray cluster.
