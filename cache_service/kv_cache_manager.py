@@ -15,12 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cache_service.block_pool import Block, BlockPool
-from cache_service.hashing import BlockHash, hash_full_blocks, root_hash
+from typing import Sequence
+
+from cache_service.hashing import BlockHash, MediaSpan, hash_full_blocks, root_hash
 
 
 @dataclass(slots=True)
 class _RequestBlocks:
     root: BlockHash
+    media: Sequence[MediaSpan] = ()
     blocks: list[Block] = field(default_factory=list)
     # Hashes of this request's full blocks, in order, as far as they have been computed.
     hashes: list[BlockHash] = field(default_factory=list)
@@ -61,10 +64,10 @@ class KVCacheManager:
         entry = self._requests.get(request_id)
         return [b.block_id for b in entry.blocks] if entry else []
 
-    def _entry(self, request_id: str, salt: str | None) -> _RequestBlocks:
+    def _entry(self, request_id: str, salt: str | None, media: Sequence[MediaSpan]) -> _RequestBlocks:
         entry = self._requests.get(request_id)
         if entry is None:
-            entry = self._requests[request_id] = _RequestBlocks(root_hash(self.model_identity, salt))
+            entry = self._requests[request_id] = _RequestBlocks(root_hash(self.model_identity, salt), media)
         return entry
 
     def _extend_hashes(self, entry: _RequestBlocks, token_ids: list[int], num_tokens: int) -> None:
@@ -72,17 +75,18 @@ class KVCacheManager:
         if num_full > len(entry.hashes):
             parent = entry.hashes[-1] if entry.hashes else entry.root
             entry.hashes += hash_full_blocks(
-                token_ids[: num_full * self.block_size], self.block_size, parent, len(entry.hashes)
+                token_ids[: num_full * self.block_size], self.block_size, parent, len(entry.hashes), entry.media
             )
 
     def find_cached_prefix(
-        self, request_id: str, token_ids: list[int], salt: str | None = None
+        self, request_id: str, token_ids: list[int], salt: str | None = None, media: Sequence[MediaSpan] = ()
     ) -> tuple[list[Block], int]:
         """The longest run of cached blocks that starts the sequence. The last token is never
-        served from the cache: the model must run on at least one token to produce logits."""
+        served from the cache: the model must run on at least one token to produce logits.
+        salt and media (where the prompt's media placeholders are) join the block hashes."""
         if not self.pool.enable_prefix_caching:
             return [], 0
-        entry = self._entry(request_id, salt)
+        entry = self._entry(request_id, salt, media)
         self._extend_hashes(entry, token_ids, len(token_ids) - 1)
         hits: list[Block] = []
         for i, block_hash in enumerate(entry.hashes):
@@ -114,13 +118,14 @@ class KVCacheManager:
         return num_new + num_taken_from_free <= self.pool.num_free_blocks
 
     def allocate_slots(
-        self, request_id: str, num_tokens: int, cached: list[Block] = (), salt: str | None = None
+        self, request_id: str, num_tokens: int, cached: list[Block] = (), salt: str | None = None,
+        media: Sequence[MediaSpan] = (),
     ) -> bool:
         """Make the request hold blocks for `num_tokens` tokens in all, starting with `cached`
         (only on its first allocation). Returns False, changing nothing, when blocks run short."""
         if not self.can_allocate_slots(request_id, num_tokens, cached):
             return False
-        entry = self._entry(request_id, salt)
+        entry = self._entry(request_id, salt, media)
         if cached:
             assert not entry.blocks, "cached prefix blocks are taken on the first allocation only"
             self.pool.touch(list(cached))

@@ -48,6 +48,8 @@ class ModelConfig:
             raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from None
         generation = model_dir / "generation_config.json"
         gen = json.loads(generation.read_text()) if generation.is_file() else {}
+        if "text_config" in raw:  # a multimodal model: its language model is what runs here
+            raw = text_config(model_dir)
         return cls.from_dict(raw, gen)
 
     @classmethod
@@ -104,3 +106,14 @@ class ModelConfig:
         if self.sliding_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+
+def text_config(model_dir: Path) -> dict:
+    """The language model's config of a composite (multimodal) checkpoint, every field filled in:
+    such files often leave the text config's defaults out, and only transformers knows them."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir).get_text_config().to_dict()
+    except (ValueError, KeyError, OSError) as e:
+        raise UnsupportedModelError(f"{model_dir}: its config.json is not one transformers can read: {e}") from None

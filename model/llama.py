@@ -111,10 +111,13 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                after_layer=None) -> torch.Tensor:
+                after_layer=None, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; `compute_logits` runs the head on chosen rows.
-        after_layer(i), if given, runs once layer i has written its KV (to ship it while i+1 runs)."""
+        after_layer(i), if given, runs once layer i has written its KV (to ship it while i+1 runs).
+        embeds (rows, values): input embeddings of those rows instead of their tokens' (media)."""
         hidden, residual = self.embed_tokens(input_ids), None
+        if embeds is not None:
+            hidden[embeds[0]] = embeds[1]
         rope = self.rotary.cos_sin(positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(rope, hidden, residual, ctx)

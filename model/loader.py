@@ -50,7 +50,19 @@ def weights_fingerprint(model_dir: str | Path) -> str:
     return fingerprint
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+# Where a multimodal checkpoint keeps its language model (LLaVA, LLaVA-NeXT, Qwen2-Audio as saved
+# by transformers 4 and 5; Idefics3) -> the prefix that name has in a plain causal LM checkpoint.
+LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+    "model.text_model.": "model.",
+}
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, multimodal: bool = False) -> None:
+    """multimodal: the checkpoint also holds encoders (vision/audio towers, projectors); only the
+    language model's weights are loaded here (model/multimodal.py loads the rest)."""
     files = weight_files(model_dir)
     if not files:
         raise UnsupportedModelError(f"{model_dir} has no *.safetensors weights")
@@ -59,7 +71,10 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                target = _target(name, model.packed_modules)
+                lm_name = _language_model_name(name) if multimodal else name
+                if lm_name is None:
+                    continue
+                target = _target(lm_name, model.packed_modules)
                 if target is None:
                     continue
                 param_name, shard_id = target
@@ -82,6 +97,16 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
 
 def _copy_whole(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
+
+
+def _language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's weight name as a causal LM names it; None: not the LM's."""
+    if name.startswith("lm_head."):
+        return name
+    for prefix, plain in LANGUAGE_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return plain + name.removeprefix(prefix)
+    return None
 
 
 def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object] | None:

@@ -23,6 +23,7 @@ from model.config import ModelConfig
 from model.kv_transfer import KVExporter, KVImport, KVPart, from_numpy, install, to_numpy, token_slots
 from model.llama import LlamaForCausalLM
 from model.loader import load_weights
+from model.multimodal import MultimodalSpec
 from model.sampler import SamplingRow, TokenLogprobs, sample
 from model.tp_layout import head_shard
 
@@ -36,6 +37,8 @@ class SequenceInput:
     export_kv_from: int | None = None  # export the KV of positions [this, end of the step)
     import_kv: KVImport | None = None  # KV computed elsewhere, written in before the step
     restore_blocks: list[tuple[int, bytes]] | None = None  # (block id, page payload) from a lower tier
+    # media embeddings that replace the embeddings of some new tokens: (offset among new_token_ids, rows)
+    embeds: list[tuple[int, torch.Tensor]] | None = None
 
 
 @dataclass(slots=True)
@@ -58,6 +61,7 @@ class StepTensors:
     ctx: AttentionContext
     sample_rows: torch.Tensor  # rows of the hidden states whose logits are sampled
     order: list[int]  # step order (decodes first) -> index in the caller's list
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, their input embeddings)
 
 
 class ModelRunner:
@@ -95,7 +99,7 @@ class ModelRunner:
                            for r in range(tp_rank))
         self._exporter = KVExporter(kv_put or (lambda x: x), self.kv_heads) if first_holder else None
         self._kv_get = kv_get or (lambda xs: xs)
-        load_weights(self.model, model_dir)
+        load_weights(self.model, model_dir, multimodal=MultimodalSpec.from_dir(model_dir) is not None)
         if quantization == "int8":
             if self.device.type != "cpu":
                 raise ValueError("quantization='int8' runs on the CPU only")
@@ -144,8 +148,11 @@ class ModelRunner:
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].new_token_ids) != 1)
         ordered = [seqs[i] for i in order]
         num_decodes = sum(1 for s in ordered if len(s.new_token_ids) == 1)
-        input_ids, positions, sample_rows = [], [], []
+        input_ids, positions, sample_rows, embed_rows, embed_values = [], [], [], [], []
         for s in ordered:
+            for offset, rows in s.embeds or ():
+                embed_rows += range(len(input_ids) + offset, len(input_ids) + offset + len(rows))
+                embed_values.append(rows)
             input_ids += s.new_token_ids
             positions += range(s.num_computed_tokens, s.num_computed_tokens + len(s.new_token_ids))
             if s.sampling is not None:
@@ -159,12 +166,15 @@ class ModelRunner:
             self.device,
         )
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return StepTensors(as_long(input_ids), as_long(positions), ctx, as_long(sample_rows), order)
+        embeds = None
+        if embed_values:
+            embeds = as_long(embed_rows), torch.cat(embed_values).to(device=self.device, dtype=self.dtype)
+        return StepTensors(as_long(input_ids), as_long(positions), ctx, as_long(sample_rows), order, embeds)
 
     @torch.inference_mode()
     def forward(self, step: StepTensors, after_layer=None) -> torch.Tensor:
         """The bare model: hidden states -> logits of the rows to sample."""
-        hidden = self.model(step.input_ids, step.positions, step.ctx, after_layer)
+        hidden = self.model(step.input_ids, step.positions, step.ctx, after_layer, step.embeds)
         return self.model.compute_logits(hidden[step.sample_rows])
 
     @torch.inference_mode()

@@ -8,6 +8,7 @@ from cache_service.page_codec import CODECS
 
 
 TP_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+ENCODER_PLACEMENTS = ("colocated", "deployment")
 
 
 @dataclass(slots=True)
@@ -56,6 +57,11 @@ class EngineConfig:
     kv_write_through: bool = False
     # Disaggregation: "prefill" or "decode" engines move KV through Ray's object store.
     kv_role: str | None = None
+    # Multimodal models: where media is encoded. "colocated": by this engine, on its thread, before
+    # a request is queued; "deployment": by an EncoderServer (cluster/serve/encoder_server.py), so
+    # requests arrive with embeddings and this engine never loads the encoder.
+    encoder: str = "colocated"
+    embedding_cache_bytes: int = 256 << 20  # encoded media kept by content hash (colocated)
 
     def __post_init__(self):
         for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
@@ -75,5 +81,7 @@ class EngineConfig:
                              f"got {self.tp_placement_strategy!r}")
         if self.tp_collective not in ("auto", "gloo"):
             raise ValueError(f"tp_collective must be 'auto' or 'gloo', got {self.tp_collective!r}")
+        if self.encoder not in ENCODER_PLACEMENTS:
+            raise ValueError(f"encoder must be one of {', '.join(ENCODER_PLACEMENTS)}, got {self.encoder!r}")
         if self.kv_role not in (None, "prefill", "decode"):
             raise ValueError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")

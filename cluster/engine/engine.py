@@ -33,6 +33,7 @@ from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.errors import InvalidRequestError, WorkerLostError
 from cluster.engine.executor import Executor
 from cluster.engine.kv_connector import KVConnector
+from cluster.engine.media import MediaItem, place_media, step_embeds
 from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.prompt import PromptEncoder
 from cluster.engine.request import FinishReason, Request, RequestStatus
@@ -41,6 +42,7 @@ from cluster.engine.scheduler import Scheduler, SchedulerPlan
 from cluster.engine.stats import EngineStats
 from model.loader import parse_dtype, weights_fingerprint
 from model.kv_transfer import KVImport
+from model.multimodal import MultimodalSpec
 from model.runner import SampledToken, SequenceInput, StepOutput, kv_bytes_per_block
 from model.sampler import SamplingRow
 
@@ -61,6 +63,9 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.prompts = PromptEncoder(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.model_identity = _model_identity(model_dir, config)
+        self.multimodal = MultimodalSpec.from_dir(model_dir)  # None: text only
+        self.encoder = self._build_encoder(config) if self.multimodal and config.encoder == "colocated" else None
+        self._media_prompts = None  # built on first use
         offload = self._build_offload(config)
         self.kv_cache = KVCacheManager(executor.num_blocks, config.block_size, self.model_identity,
                                        config.enable_prefix_caching, lower_tiers=offload is not None,
@@ -90,6 +95,19 @@ class LLMEngine:
     def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
         return self.prompts.encode(prompt, messages)
 
+    def encode_media_prompt(self, messages: list[dict]) -> tuple[list[int], list[MediaItem]]:
+        """Chat messages whose content may hold image or audio parts, through the model's HF
+        processor (multimodal models only): the prompt's token ids and its media items."""
+        if self.multimodal is None:
+            raise InvalidRequestError("messages", "this model takes text only")
+        if self._media_prompts is None:
+            from cluster.engine.media_prompt import MediaPromptEncoder
+
+            self._media_prompts = MediaPromptEncoder(self.config.model, self.multimodal)
+        token_ids, media = self._media_prompts.encode(messages)
+        self.prompts.check(token_ids)
+        return token_ids, media
+
     def add_request(
         self,
         request_id: str,
@@ -97,17 +115,23 @@ class LLMEngine:
         params: SamplingParams,
         salt: str | None = None,
         *,
+        media: list[MediaItem] = (),
         export_kv: bool = False,
         prefilled: PrefillResult | None = None,
     ) -> list[RequestDelta]:
-        """Queue a request. Disaggregation: `export_kv` (prefill side) collects its KV as it is
-        computed and hands it out with its last delta; `prefilled` (decode side) starts from a
-        prefill engine's first token and KV. Returns deltas ready now (a prefilled first token)."""
+        """Queue a request. `media`: its images or audio clips, in the order of their placeholders
+        in the prompt, encoded already or encoded here (colocated encoder). Disaggregation:
+        `export_kv` (prefill side) collects its KV as it is computed and hands it out with its
+        last delta; `prefilled` (decode side) starts from a prefill engine's first token and KV.
+        Returns deltas ready now (a prefilled first token)."""
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if (export_kv or prefilled) and params.n != 1:
             raise InvalidRequestError("n", "disaggregated prefill takes n = 1 only")
         self.prompts.check(prompt_token_ids, params.max_tokens)
+        media = self._encode_media(list(media))
+        segments = place_media(prompt_token_ids, self.multimodal.placeholder_token_id, media, "prompt") \
+            if self.multimodal else []
         eos = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
@@ -128,6 +152,8 @@ class LLMEngine:
                     eos_token_ids=tuple(eos),
                     max_model_len=self.max_model_len,
                     salt=salt,
+                    media=media,
+                    media_segments=segments,
                 )
             )
             if params.seed is not None:
@@ -139,6 +165,25 @@ class LLMEngine:
             self.kv_connector.on_add(child, export=export_kv)
             self.scheduler.add(child)
         return []
+
+    def _encode_media(self, media: list[MediaItem]) -> list[MediaItem]:
+        if media and self.multimodal is None:
+            raise InvalidRequestError(media[0].where, "this model takes text only")
+        for item in media:
+            if item.modality != self.multimodal.modality:
+                raise InvalidRequestError(item.where, f"this model takes {self.multimodal.modality}, not {item.modality}")
+        if any(item.embeddings is None for item in media):
+            if self.encoder is None:
+                raise InvalidRequestError(media[0].where, "arrived unencoded at an engine whose encoder is a deployment")
+            self.encoder.encode_items(media)
+        return media
+
+    def _build_encoder(self, config: EngineConfig):
+        from cluster.engine.embedding_cache import CachingEncoder
+        from model.multimodal import MediaEncoder
+
+        return CachingEncoder(MediaEncoder(config.model, parse_dtype(config.dtype), config.device),
+                              config.embedding_cache_bytes)
 
     def _start_prefilled(self, request: Request, prefilled: PrefillResult) -> list[RequestDelta]:
         """The first token was sampled by the prefill engine: append it here (stop checks run with
@@ -253,6 +298,7 @@ class LLMEngine:
                     export_kv_from=connector.export_from(request.request_id),
                     import_kv=KVImport(*imported, request.num_prompt_tokens) if imported else None,
                     restore_blocks=restored or None,
+                    embeds=step_embeds(request.media_segments, request.media, start, start + s.num_new_tokens),
                 )
             )
         return inputs

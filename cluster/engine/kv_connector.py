@@ -78,7 +78,8 @@ class KVConnector:
             pending = self._get(request.request_id)
             pending.imported, pending.exporting = imported, export
         if self.prefetch_enabled and imported is None:
-            cached, _ = self.kv_cache.find_cached_prefix(request.request_id, request.token_ids, request.salt)
+            cached, _ = self.kv_cache.find_cached_prefix(
+                request.request_id, request.token_ids, request.salt, request.media_segments)
             hashes = self.kv_cache.block_hashes(request.request_id, start=len(cached))
             self._get(request.request_id).prefetch = (len(cached), self.offload.prefetch(hashes))
 

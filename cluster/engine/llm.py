@@ -32,7 +32,7 @@ class LLM:
         """Raw prompts (text or token ids), encoded as `tokenizer(prompt)` does."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        encoded = [(p if isinstance(p, str) else None, self.engine.encode_prompt(p)) for p in prompts]
+        encoded = [(p if isinstance(p, str) else None, self.engine.encode_prompt(p), []) for p in prompts]
         return self._run(encoded, sampling_params or SamplingParams(), use_tqdm)
 
     def chat(
@@ -41,20 +41,26 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Conversations of {"role", "content"} messages, through the model's chat template."""
+        """Conversations of {"role", "content"} messages, through the model's chat template. With a
+        multimodal model a content may be a list of parts: {"type": "text", "text": ...},
+        {"type": "image" | "audio", "data": <the file's bytes>}."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        encoded = [(None, self.engine.encode_prompt(messages=c)) for c in conversations]
+        if self.engine.multimodal is not None:
+            encoded = [(None, *self.engine.encode_media_prompt(c)) for c in conversations]
+        else:
+            encoded = [(None, self.engine.encode_prompt(messages=c), []) for c in conversations]
         return self._run(encoded, sampling_params or SamplingParams(), use_tqdm)
 
     def _run(self, encoded, params: SamplingParams, use_tqdm: bool) -> list[RequestOutput]:
+        """encoded: (prompt text or None, token ids, media items) per request."""
         results: dict[str, RequestOutput] = {}
-        for prompt, token_ids in encoded:
+        for prompt, token_ids, media in encoded:
             request_id = str(next(self._ids))
             results[request_id] = RequestOutput(
                 request_id, prompt, token_ids, [CompletionOutput(i) for i in range(params.n)]
             )
-            self.engine.add_request(request_id, token_ids, params)
+            self.engine.add_request(request_id, token_ids, params, media=media)
         with tqdm(total=len(results), disable=not use_tqdm, desc="generate") as progress:
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():

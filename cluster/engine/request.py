@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 
 from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.media import MediaItem, MediaSegment
 from cluster.engine.sampling_params import SamplingParams
 
 
@@ -43,6 +44,8 @@ class Request:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     salt: str | None = None
+    media: list[MediaItem] = field(default_factory=list)  # encoded: their embeddings fill the placeholders
+    media_segments: list[MediaSegment] = field(default_factory=list)  # which positions take which rows
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

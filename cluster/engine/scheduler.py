@@ -98,12 +98,14 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached, num_cached = self.kv_cache.find_cached_prefix(request.request_id, request.token_ids, request.salt)
+            cached, num_cached = self.kv_cache.find_cached_prefix(
+                request.request_id, request.token_ids, request.salt, request.media_segments)
             # KV imported from a prefill engine, swapped out at preemption, or restored from a
             # lower tier needs no compute, only blocks (written in before the step).
             restore, num_ready = self.kv_connector.admit(request, len(cached))
             num_new = self._num_new_tokens(request, num_ready, budget)
-            if not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new, cached, request.salt):
+            if not self.kv_cache.allocate_slots(request.request_id, num_ready + num_new, cached, request.salt,
+                                             request.media_segments):
                 break
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
             self.kv_connector.on_admitted(request.request_id, restore, num_device_tokens=num_cached)
