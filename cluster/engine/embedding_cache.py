@@ -67,6 +67,11 @@ class CachingEncoder:
         self.cache = EmbeddingCache(cache_bytes)
         self.stats = EncoderStats()
 
+    def describe(self) -> dict:
+        """Plain numbers for `pagoda status` and /v1/pagoda/stats."""
+        return {"cache_hits": self.stats.cache_hits, "cache_misses": self.stats.cache_misses,
+                "cache_items": len(self.cache), "cache_bytes": self.cache.used_bytes}
+
     def encode_items(self, items: list[MediaItem]) -> list[MediaItem]:
         """Fills each item's embeddings (from the cache, or encoded and cached) and drops its
         encoder inputs, which are not needed past this point."""

@@ -38,11 +38,15 @@ class MediaLimits:
 
 
 class MediaPromptEncoder:
-    def __init__(self, model_dir: str | Path, spec, limits: MediaLimits = MediaLimits()):
+    def __init__(self, model_dir: str | Path, spec, limits: MediaLimits = MediaLimits(),
+                 max_text_chars: int | None = None):
+        """max_text_chars: more characters of text than the context could hold in any tokens
+        (PromptEncoder.max_prompt_chars) are refused before the processor tokenizes them."""
         from transformers import AutoProcessor
 
         self.spec = spec  # model.multimodal.MultimodalSpec
         self.limits = limits
+        self.max_text_chars = max_text_chars
         self.max_items = min(limits.max_items, spec.max_items)
         self.processor = AutoProcessor.from_pretrained(model_dir)
 
@@ -75,6 +79,9 @@ class MediaPromptEncoder:
                 else:
                     raise InvalidRequestError(where, "must be a text, image or audio part")
             conversation.append({"role": message["role"], "content": rendered})
+        num_chars = sum(len(p["text"]) for m in conversation for p in m["content"] if p["type"] == "text")
+        if self.max_text_chars is not None and num_chars > self.max_text_chars:
+            raise InvalidRequestError("messages", f"have {num_chars} characters of text, more than the context can hold")
         try:
             text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # a template may raise on roles or orders it does not allow
@@ -88,7 +95,10 @@ class MediaPromptEncoder:
             kwargs["images" if self.spec.modality == "image" else "audio"] = media
         if self.spec.modality == "audio" and media:
             kwargs["sampling_rate"] = self.sampling_rate
-        out = self.processor(text=text, return_tensors="np", **kwargs)
+        try:
+            out = self.processor(text=text, return_tensors="np", **kwargs)
+        except ValueError as e:  # e.g. a placeholder spelt in the text: more placeholders than media
+            raise InvalidRequestError("messages", f"the model's processor refused them: {e}") from None
         token_ids = [int(t) for t in out["input_ids"][0]]
         items = [
             MediaItem(kind, content_hash(kind, data),

@@ -2,6 +2,8 @@
 
     colocated (default):  Ingress -> LLMServer (prefill and decode in one engine)
     disaggregated:        Ingress -> DecodeServer -> PrefillServer   (KV: object store, layer by layer)
+    multimodal models, engine.encoder: deployment:
+                          Ingress -> EncoderServer (media -> embeddings), then -> LLMServer ...
 
     serve run cluster.serve.app:build_app model=/path/to/model
     serve run serve_config.yaml          # the same builder, args from the YAML
@@ -38,6 +40,7 @@ PREFIX_AFFINITY_ROUTER = {  # Serve's, with its helper actor on the head (cluste
 # its replica replaced within seconds. The ingress only relays, so it reserves no CPU.
 SERVER_DEFAULTS = {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 2}
 INGRESS_DEFAULTS = {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0}}
+ENCODER_DEFAULTS = {"max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": 1}}
 
 
 class DeploymentOptions(BaseModel):
@@ -118,6 +121,8 @@ class AppConfig(BaseModel):
     prefill_torch_threads: int | None = Field(None, description="torch threads of the prefill engine (default: torch_threads)")
     prefill_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**SERVER_DEFAULTS))
     ingress: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**INGRESS_DEFAULTS))
+    encoder_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**ENCODER_DEFAULTS),
+                                              description="the EncoderServer deployment (engine.encoder: deployment)")
     front_door: bool = Field(False, description="`pagoda serve` puts HAProxy in front of the HTTP port; it refuses "
                              "generation requests with 429 while the ingress queue is full (cluster/serve/front_door.py)")
     front_door_dir: str | None = Field(None, description="set by `pagoda serve`: where the ingress tells the front door")
@@ -128,7 +133,7 @@ class AppConfig(BaseModel):
         """A deployment's options in the config replace only the defaults they name."""
         if isinstance(data, dict):
             for name, defaults in (("llm_server", SERVER_DEFAULTS), ("prefill_server", SERVER_DEFAULTS),
-                                   ("ingress", INGRESS_DEFAULTS)):
+                                   ("ingress", INGRESS_DEFAULTS), ("encoder_server", ENCODER_DEFAULTS)):
                 if isinstance(data.get(name), dict):
                     data = {**data, name: {**defaults, **data[name]}}
         return data
@@ -186,7 +191,21 @@ def build_app(args: dict | None = None):
     ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
     return serve.deployment(ingress_cls, name="Ingress", **ingress_options).bind(
         llm_server, limits=config.limits.model_dump(), max_pending_requests=max_pending_requests(config),
-        front_door_dir=config.front_door_dir)
+        front_door_dir=config.front_door_dir, encoder_server=encoder_server(config, decode_engine))
+
+
+def encoder_server(config: AppConfig, engine: dict):
+    """The EncoderServer deployment when the engine's encoder is one (and the model multimodal)."""
+    from cluster.engine.config import EngineConfig
+    from cluster.serve.encoder_server import EncoderServer
+    from model.multimodal import MultimodalSpec
+
+    options = EngineConfig(**engine)
+    if options.encoder != "deployment" or MultimodalSpec.from_dir(options.model) is None:
+        return None
+    return serve.deployment(EncoderServer, name="EncoderServer", **config.encoder_server.as_kwargs()).bind(
+        model=options.model, dtype=options.dtype, device=options.device,
+        embedding_cache_bytes=options.embedding_cache_bytes, torch_threads=config.torch_threads)
 
 
 def parse_app_config(args: dict | None) -> AppConfig:

@@ -20,9 +20,5 @@ class RequestTooLargeError(ValueError):
     """The request is larger than the server accepts (413 / RESOURCE_EXHAUSTED)."""
 
 
-class UnsupportedInputError(InvalidRequestError):
-    """A well-formed input this server cannot handle yet, e.g. image parts (UNIMPLEMENTED / 400)."""
-
-
 class UnsupportedMediaTypeError(ValueError):
     """The HTTP body is not JSON (415)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from cluster.engine.errors import InvalidRequestError
 from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
-from cluster.serve.errors import UnsupportedInputError
 from protos import inference_pb2 as pb
 
 
@@ -26,7 +25,9 @@ def grpc_sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
 
 
 def prompt_or_messages(request: pb.GenerateRequest) -> tuple[str | None, list[dict] | None]:
-    """Exactly one of prompt and messages; messages flattened to {role, content} text."""
+    """Exactly one of prompt and messages. A message's content is its text, or, when it holds an
+    image or audio part, its parts in order ({"type": "text" | "image" | "audio", ...}, each
+    media part with the field it came from, for errors)."""
     if request.prompt and request.messages:
         raise InvalidRequestError("prompt", "give either prompt or messages, not both")
     if not request.messages:
@@ -35,17 +36,19 @@ def prompt_or_messages(request: pb.GenerateRequest) -> tuple[str | None, list[di
         return request.prompt, None
     messages = []
     for i, message in enumerate(request.messages):
-        texts = []
+        parts = []
         for j, part in enumerate(message.parts):
             kind = part.WhichOneof("content")
-            if kind in ("image", "audio"):
-                raise UnsupportedInputError(
-                    f"messages[{i}].parts[{j}].{kind}", f"{kind} parts need a multimodal model; this server serves text only"
-                )
             if kind is None:
                 raise InvalidRequestError(f"messages[{i}].parts[{j}]", "is empty: set text, image or audio")
-            texts.append(part.text)
-        messages.append({"role": message.role, "content": "".join(texts)})
+            if kind == "text":
+                parts.append({"type": "text", "text": part.text})
+            else:
+                parts.append({"type": kind, "data": getattr(part, kind), "where": f"messages[{i}].parts[{j}].{kind}"})
+        if all(p["type"] == "text" for p in parts):
+            messages.append({"role": message.role, "content": "".join(p["text"] for p in parts)})
+        else:
+            messages.append({"role": message.role, "content": parts})
     return None, messages
 
 
@@ -69,5 +72,5 @@ def response(delta: RequestDelta) -> pb.GenerateResponse:
 def model_info(info: dict) -> pb.ModelInfo:
     return pb.ModelInfo(
         model_id=info["model_id"], max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
-        block_size=info["block_size"], num_kv_blocks=info["num_kv_blocks"],
+        block_size=info["block_size"], num_kv_blocks=info["num_kv_blocks"], modalities=info["modalities"],
     )

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from cluster.engine.errors import InvalidRequestError
+from cluster.engine.media_prompt import MediaPromptEncoder
 from cluster.engine.prompt import PromptEncoder
 from cluster.serve import grpc_convert
 from cluster.serve.errors import (
@@ -36,7 +37,6 @@ from cluster.serve.errors import (
     RequestFailedError,
     RequestTimeoutError,
     RequestTooLargeError,
-    UnsupportedInputError,
     UnsupportedMediaTypeError,
     WorkerLostError,
 )
@@ -44,15 +44,18 @@ from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.front_door import FrontDoorFlag
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
+from cluster.serve.metrics import MediaMetrics
 from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
     ChatResponseBuilder,
     CompletionRequest,
     CompletionResponseBuilder,
     ResponseBuilder,
+    chat_messages,
     error_body,
     openai_sampling_params,
 )
+from model.multimodal import MultimodalSpec
 from protos import inference_pb2 as pb
 
 logger = logging.getLogger("pagoda.ingress")
@@ -73,8 +76,6 @@ def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
         return 413, "invalid_request_error", grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause)
     if isinstance(cause, UnsupportedMediaTypeError):
         return 415, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, str(cause)
-    if isinstance(cause, UnsupportedInputError):
-        return 400, "invalid_request_error", grpc.StatusCode.UNIMPLEMENTED, str(cause)
     if isinstance(cause, (InvalidRequestError, ValidationError)):
         return 400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, str(cause)
     if isinstance(cause, (EngineOverloadedError, BackPressureError)):
@@ -98,8 +99,11 @@ def _field(exc: BaseException) -> str | None:
 
 class Ingress:
     def __init__(self, llm_server, model_name: str | None = None, limits: dict | None = None,
-                 max_pending_requests: int = 256, front_door_dir: str | None = None):
+                 max_pending_requests: int = 256, front_door_dir: str | None = None, encoder_server=None):
         self.llm = llm_server  # DeploymentHandle to LLMServer
+        # DeploymentHandle to an EncoderServer (encoder: deployment): media is encoded there before
+        # the LLMServer sees the request; None: the LLMServer's engine encodes it (colocated).
+        self.encoder_server = encoder_server
         self.model_name = model_name
         self.limits = InputLimits.model_validate(limits or {})
         # Requests of this replica not yet streaming (tokenizing, in transit, queued in an engine):
@@ -112,6 +116,8 @@ class Ingress:
         self._drain = DrainWatcher(replica_name(self), lambda: self.num_in_flight)
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._encoder: PromptEncoder | None = None
+        self._media_prompts: MediaPromptEncoder | None = None  # multimodal models only
+        self._media_metrics: MediaMetrics | None = None
         self._info: dict | None = None
         self._init_lock = asyncio.Lock()
 
@@ -124,7 +130,13 @@ class Ingress:
                     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, info["model_dir"])
                     self.model_name = self.model_name or info["model_id"]
                     self._info = info
-                    self._encoder = PromptEncoder(tokenizer, info["vocab_size"], info["max_model_len"])
+                    encoder = PromptEncoder(tokenizer, info["vocab_size"], info["max_model_len"])
+                    spec = await asyncio.to_thread(MultimodalSpec.from_dir, info["model_dir"])
+                    if spec is not None:
+                        self._media_prompts = await asyncio.to_thread(
+                            MediaPromptEncoder, info["model_dir"], spec, self.limits.media(), encoder.max_prompt_chars)
+                        self._media_metrics = MediaMetrics(self.model_name)
+                    self._encoder = encoder
         return self._encoder
 
     @contextlib.contextmanager
@@ -149,15 +161,25 @@ class Ingress:
             self._front_door.set_full(self.num_pending_requests >= self.max_pending_requests)
 
     async def _submit(self, prompt, messages, params, timeout_s: float | None = None):
-        """Check the limits, tokenize, and start streaming deltas. The first delta is awaited here,
-        so errors that happen before any output (overload, bad input) raise before a response
-        starts. The caller holds an `_admission` place."""
+        """Check the limits, tokenize (and for a multimodal model decode and process its media,
+        encoded by the EncoderServer where there is one), and start streaming deltas. The first
+        delta is awaited here, so errors that happen before any output (overload, bad input) raise
+        before a response starts. The caller holds an `_admission` place."""
         encoder = await self._ready()
         self.limits.check(params, messages)
-        token_ids = await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_thread, encoder.encode, prompt, messages)
+        loop = asyncio.get_running_loop()
+        media = []
+        if messages is not None and self._media_prompts is not None:
+            token_ids, media = await loop.run_in_executor(self._tokenizer_thread, self._media_prompts.encode, messages)
+        else:
+            refuse_media(messages)
+            token_ids = await loop.run_in_executor(self._tokenizer_thread, encoder.encode, prompt, messages)
         encoder.check(token_ids, params.max_tokens)
-        request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s)
+        if media:
+            self._media_metrics.record_items(media)
+            if self.encoder_server is not None:
+                media = await self.encoder_server.encode.remote(media)
+        request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s, media)
         deltas = _cancel_when_abandoned(self.llm.options(stream=True).generate.remote(request))
         # After a last delta the stream simply ends, so callers iterate `deltas` as is.
         return await deltas.__anext__(), deltas
@@ -257,7 +279,12 @@ class Ingress:
         }]}
 
     async def stats(self):
-        return await self.llm.stats.remote()
+        """One engine's statistics (and, where media is encoded by an EncoderServer, one of its
+        replicas' encoder statistics under "encoder", as a colocated engine reports its own)."""
+        stats = await self.llm.stats.remote()
+        if self.encoder_server is not None:
+            stats["encoder"] = await self.encoder_server.stats.remote()
+        return stats
 
     async def status(self):
         """Deployments and their replicas (from Serve), every engine group with its ranks and
@@ -279,7 +306,7 @@ class Ingress:
         groups = await asyncio.to_thread(describe_groups, app_name)
         nodes = await asyncio.to_thread(lambda: sum(node["Alive"] for node in ray.nodes()))
         return {"app": app_name, "deployments": deployments, "groups": groups, "nodes": nodes,
-                "engine": await self.llm.stats.remote(), "model": self.model_name}
+                "engine": await self.stats(), "model": self.model_name}
 
     async def completions(self, raw: Request):
         return await self._openai(raw, CompletionRequest, self._completion_inputs, CompletionResponseBuilder)
@@ -361,16 +388,7 @@ class Ingress:
         return request.prompt, None, params, request.logprobs is not None
 
     def _chat_inputs(self, request: ChatCompletionRequest):
-        messages = []
-        for i, m in enumerate(request.messages):
-            if isinstance(m.content, list):
-                for j, part in enumerate(m.content):
-                    if part.type != "text":
-                        raise UnsupportedInputError(f"messages[{i}].content[{j}]", f"{part.type} parts need a multimodal model")
-                content = "".join(part.text or "" for part in m.content)
-            else:
-                content = m.content or ""
-            messages.append({"role": m.role, "content": content})
+        messages = chat_messages(request)
         if request.max_completion_tokens is not None and request.max_tokens is None:
             request.max_tokens = request.max_completion_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -401,6 +419,16 @@ class Ingress:
             yield "data: [DONE]\n\n"
         finally:
             self.num_in_flight -= 1
+
+
+def refuse_media(messages: list[dict] | None) -> None:
+    """A text-only model: an image or audio part is refused, naming it."""
+    for message in messages or ():
+        if isinstance(message.get("content"), list):
+            for part in message["content"]:
+                if part.get("type") != "text":
+                    raise InvalidRequestError(part["where"], f"{part['type']} parts need a multimodal model; "
+                                              "the model served here takes text only")
 
 
 async def _cancel_when_abandoned(deltas):

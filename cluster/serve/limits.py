@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.engine.errors import InvalidRequestError
+from cluster.engine.media_prompt import MediaLimits
 from cluster.engine.sampling_params import SamplingParams
 
 
@@ -19,6 +20,13 @@ class InputLimits(BaseModel):
     max_messages: int = Field(512, ge=1, description="chat messages per request")
     max_stop_strings: int = Field(16, ge=0, description="stop strings per request")
     max_stop_chars: int = Field(256, ge=1, description="characters of one stop string")
+    max_media_items: int = Field(8, ge=0, description="images or audio clips per request (the model may allow fewer)")
+    max_media_bytes: int = Field(4 << 20, ge=1, description="one image's or audio clip's encoded bytes")
+    max_image_pixels: int = Field(25_000_000, ge=1, description="width x height of one image (checked before decoding)")
+    max_audio_seconds: float = Field(30.0, gt=0, description="length of one audio clip")
+
+    def media(self) -> MediaLimits:
+        return MediaLimits(self.max_media_items, self.max_media_bytes, self.max_image_pixels, self.max_audio_seconds)
 
     def check(self, params: SamplingParams, messages: list | None) -> None:
         """Raises InvalidRequestError naming the field that asks for too much."""

@@ -27,19 +27,20 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.engine.media import MediaItem
 from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 from cluster.executor.factory import build_executor
 from cluster.serve.autoscaling import RecentPercentile, replica_signals
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.errors import EngineOverloadedError, RequestFailedError, RequestTimeoutError, WorkerLostError
-from cluster.serve.metrics import EngineMetrics, start_gpu_telemetry
+from cluster.serve.metrics import EngineMetrics, MediaMetrics, start_gpu_telemetry
 
 logger = logging.getLogger("pagoda.llm_server")
 
@@ -52,6 +53,9 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     timeout_s: float | None = None
+    # Images or audio clips in the order of their placeholders in the prompt: with embeddings when
+    # an EncoderServer encoded them, else the processor's output, encoded by this server's engine.
+    media: list[MediaItem] = field(default_factory=list)
 
     @property
     def prompt(self) -> str:
@@ -111,6 +115,7 @@ class LLMServer:
         self.engine: LLMEngine = built.result()  # re-raises a failed build
         self._last_stats = self.engine.stats()  # then the engine thread's, after each step
         self.metrics = EngineMetrics(self.model_info()["model_id"])
+        self.media_metrics = MediaMetrics(self.model_info()["model_id"]) if self.engine.encoder else None
         start_gpu_telemetry()
         self._drain = DrainWatcher(replica_name(self), lambda: len(self._streams),
                                    on_deadline=lambda: self._send(("drain_deadline",)))
@@ -185,14 +190,17 @@ class LLMServer:
             "block_size": engine.config.block_size,
             "num_kv_blocks": engine.num_blocks,
             "eos_token_ids": list(engine.model_config.eos_token_ids),
+            "modalities": ["text"] + ([engine.multimodal.modality] if engine.multimodal else []),
         }
 
     def stats(self) -> dict:
         """The engine's stats as plain data (`pagoda status`), with this server's open streams
         (the engine thread's last snapshot: only that thread touches the engine)."""
         stats = self._last_stats
+        encoder = self.engine.encoder
         return {**dataclasses.asdict(stats), "num_streams": len(self._streams), "kv_usage": stats.kv_usage,
-                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate}
+                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+                **({"encoder": encoder.describe()} if encoder is not None else {})}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """What this replica's autoscaling policy scales on (cluster/serve/autoscaling.py); Serve
@@ -325,10 +333,13 @@ class LLMServer:
                 _, request_id, request, stream, export_kv, prefilled = message
                 try:
                     ready = self.engine.add_request(request_id, request.prompt_token_ids, request.params,
-                                                    export_kv=export_kv, prefilled=prefilled)
+                                                    media=request.media, export_kv=export_kv, prefilled=prefilled)
                 except Exception as e:  # invalid input: the caller gets the error, the loop goes on
                     stream.put(e)
                     continue
+                finally:
+                    if self.media_metrics is not None and request.media:
+                        self.media_metrics.record_encoder(self.engine.encoder.stats, "colocated")
                 self._streams[request_id] = stream
                 self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
                 for delta in ready:  # a prefilled request's first token

@@ -68,6 +68,33 @@ class EngineMetrics:
                 self.kv_tier_used.set(tier.used_bytes, {"tier": tier.name})
 
 
+class MediaMetrics:
+    """Media of multimodal requests: items accepted (ingress), encoder latency and embedding-cache
+    hits and misses (where the encoder runs: an engine, colocated, or an EncoderServer)."""
+
+    def __init__(self, model: str):
+        tags = {"model": model}
+        self.items = _counter("pagoda_media_items_total", "Media items accepted, by modality", tags, ("modality",))
+        self.encode_latency = _tagged(metrics.Histogram(
+            "pagoda_encoder_latency_seconds", "Time to encode one media item (cache misses)",
+            boundaries=_LATENCY_BUCKETS, tag_keys=("model", "modality", "placement")), tags)
+        self.cache_hits = _Total(_counter("pagoda_encoder_cache_hits_total", "Media items found in the embedding cache",
+                                          tags, ("placement",)))
+        self.cache_misses = _Total(_counter("pagoda_encoder_cache_misses_total", "Media items encoded (not in the cache)",
+                                            tags, ("placement",)))
+
+    def record_items(self, items) -> None:
+        for item in items:
+            self.items.inc(1, {"modality": item.modality})
+
+    def record_encoder(self, stats, placement: str) -> None:
+        """From a CachingEncoder's EncoderStats (cluster/engine/embedding_cache.py)."""
+        for modality, seconds in stats.take_latencies():
+            self.encode_latency.observe(seconds, {"modality": modality, "placement": placement})
+        self.cache_hits.update(stats.cache_hits, {"placement": placement})
+        self.cache_misses.update(stats.cache_misses, {"placement": placement})
+
+
 def start_gpu_telemetry(interval_s: float = 5.0) -> bool:
     """NVML utilization, memory, temperature and power per GPU in a daemon thread; False (and
     nothing started) where there is no GPU driver."""

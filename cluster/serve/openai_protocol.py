@@ -3,12 +3,15 @@ builders. Nothing outside cluster/serve sees these shapes."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.engine.errors import InvalidRequestError
 from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 
@@ -39,9 +42,21 @@ class CompletionRequest(_CommonRequest):
     logprobs: int | None = Field(None, description="top alternatives per token, 0..20")
 
 
+class ImageURL(BaseModel):
+    url: str  # a data: URL; the server fetches nothing from the network
+    detail: str | None = None
+
+
+class InputAudio(BaseModel):
+    data: str  # base64
+    format: str
+
+
 class ChatContentPart(BaseModel):
     type: Literal["text", "image_url", "input_audio"]
     text: str | None = None
+    image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
 
 
 class ChatMessage(BaseModel):
@@ -54,6 +69,51 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict]:
+    """Messages as the engine takes them: content is the text, or, when a message holds an image
+    or audio part, its parts in order (media decoded from base64, with the field it came from)."""
+    messages = []
+    for i, m in enumerate(request.messages):
+        if not isinstance(m.content, list):
+            messages.append({"role": m.role, "content": m.content or ""})
+            continue
+        parts = [_content_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(m.content)]
+        if all(p["type"] == "text" for p in parts):
+            messages.append({"role": m.role, "content": "".join(p["text"] for p in parts)})
+        else:
+            messages.append({"role": m.role, "content": parts})
+    return messages
+
+
+def _content_part(part: ChatContentPart, where: str) -> dict:
+    if part.type == "text":
+        return {"type": "text", "text": part.text or ""}
+    if part.type == "image_url":
+        if part.image_url is None:
+            raise InvalidRequestError(f"{where}.image_url", "is missing")
+        url = part.image_url.url
+        if not url.startswith("data:"):
+            raise InvalidRequestError(f"{where}.image_url.url", "must be a data: URL (data:image/png;base64,...); "
+                                      "this server fetches nothing from the network")
+        header, _, payload = url.partition(",")
+        if not header.endswith(";base64"):
+            raise InvalidRequestError(f"{where}.image_url.url", "must be a base64 data: URL (data:image/png;base64,...)")
+        return {"type": "image", "data": _base64(payload, f"{where}.image_url.url"), "where": f"{where}.image_url"}
+    if part.input_audio is None:
+        raise InvalidRequestError(f"{where}.input_audio", "is missing")
+    if part.input_audio.format.lower() not in ("wav", "flac"):
+        raise InvalidRequestError(f"{where}.input_audio.format", f"is {part.input_audio.format!r}; taken: wav, flac")
+    return {"type": "audio", "data": _base64(part.input_audio.data, f"{where}.input_audio.data"),
+            "where": f"{where}.input_audio"}
+
+
+def _base64(text: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(where, "is not valid base64") from None
 
 
 def openai_sampling_params(request: _CommonRequest, default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:

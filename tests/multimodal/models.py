@@ -82,3 +82,20 @@ def png(seed: int, size: tuple[int, int] = (40, 32)) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def image_conversations() -> dict[str, list[dict]]:
+    """The parity cases: one image, two images, an image in the second turn, and text alone."""
+    return {
+        "one image": [{"role": "user", "content": [
+            {"type": "image", "data": png(1)}, {"type": "text", "text": "What is in this picture?"}]}],
+        "two images": [{"role": "user", "content": [
+            {"type": "image", "data": png(2)}, {"type": "text", "text": "and"},
+            {"type": "image", "data": png(3, (24, 48))}, {"type": "text", "text": "How are these two alike?"}]}],
+        "second turn": [
+            {"role": "user", "content": "Hello! Can you look at pictures?"},
+            {"role": "assistant", "content": "Yes, send me one."},
+            {"role": "user", "content": [{"type": "text", "text": "Here:"}, {"type": "image", "data": png(4)},
+                                         {"type": "text", "text": "Describe it."}]}],
+        "text only": [{"role": "user", "content": "What is the capital of France?"}],
+    }
