@@ -266,7 +266,11 @@ def test_overload_is_refused_fast_with_429_and_resource_exhausted(stub, server):
         ("completions", {"max_tokens": 3}, "prompt"),
         ("chat/completions", {"messages": "hi"}, "messages"),
         ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0].image_url"),
+        ("chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
+         "messages[0].content[0].image_url"),  # a text-only model: media is refused, naming the part
         ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
     ],
 )
@@ -293,7 +297,8 @@ def test_http_malformed_json_is_400(server):
         (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "INVALID_ARGUMENT", "top_p"),
         (pb.GenerateRequest(prompt=""), "INVALID_ARGUMENT", "prompt"),
         (pb.GenerateRequest(prompt="hello " * 9000), "INVALID_ARGUMENT", "prompt"),
-        (pb.GenerateRequest(messages=[pb.Message(role="user", parts=[pb.Part(image=b"\x89PNG")])]), "UNIMPLEMENTED", "image"),
+        (pb.GenerateRequest(messages=[pb.Message(role="user", parts=[pb.Part(text="see"), pb.Part(image=b"\x89PNG")])]),
+         "INVALID_ARGUMENT", "messages[0].parts[1].image: image parts need a multimodal model"),
         (pb.GenerateRequest(messages=[pb.Message(role="wizard", parts=[pb.Part(text="hi")])]), "INVALID_ARGUMENT", "role"),
         (pb.GenerateRequest(prompt="x" * (5 << 20)), "RESOURCE_EXHAUSTED", "the cap is 4194304 bytes"),
     ],

@@ -1,0 +1,180 @@
+"""A multimodal model over the real server: gRPC image parts and OpenAI image_url data URLs, with
+the encoder colocated in the LLMServer's engine and as its own EncoderServer deployment (each its
+own Serve application on the session's cluster).
+
+- Greedy answers equal HF's LlavaForConditionalGeneration token for token: one image, two
+  images, an image in the second turn of a chat, text alone.
+- The same image twice: encoded once (encoder cache) and its prefix served from the prefix cache;
+  another image with the same text shares nothing. Counted in /v1/pagoda/stats and in metrics.
+- Every kind of bad media gets INVALID_ARGUMENT / 400 naming its part, and leaves no block held.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import grpc
+import pytest
+import requests
+
+from protos import inference_pb2 as pb
+from tests.cluster.test_disaggregated_serving import deployed
+from tests.hf_reference import check_all
+from tests.multimodal.conftest import MAX_TOKENS
+from tests.multimodal.models import image_conversations, png
+
+MAX_MEDIA_BYTES = 64 << 10
+
+
+@pytest.fixture(scope="module", params=["colocated", "deployment"])
+def llava_app(request, server, llava_dir):
+    placement = request.param
+    with deployed({**server, "model_dir": llava_dir}, f"llava-{placement}", f"/llava-{placement}",
+                  engine={"encoder": placement}, limits={"max_media_items": 3, "max_media_bytes": MAX_MEDIA_BYTES},
+                  encoder_server={"ray_actor_options": {"num_cpus": 0}}) as app:
+        yield {**app, "placement": placement}
+
+
+def grpc_messages(conversation: list[dict]) -> list[pb.Message]:
+    def part(p):
+        return pb.Part(text=p["text"]) if p["type"] == "text" else pb.Part(**{p["type"]: p["data"]})
+
+    return [pb.Message(role=m["role"], parts=[pb.Part(text=m["content"])] if isinstance(m["content"], str)
+                       else [part(p) for p in m["content"]]) for m in conversation]
+
+
+def generate(app, conversation: list[dict]) -> list[int]:
+    request = pb.GenerateRequest(messages=grpc_messages(conversation),
+                                 sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return [t for r in app["stub"].Generate(request, metadata=app["metadata"], timeout=300) for t in r.token_ids]
+
+
+def stats(app) -> dict:
+    return requests.get(f"{app['http']}/v1/pagoda/stats", timeout=60).json()
+
+
+def wait_all_blocks_free(app, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (s := stats(app))["kv_blocks_free"] != s["kv_blocks_total"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return s
+
+
+def test_grpc_answers_equal_hf(llava_app, llava_references):
+    answers = [generate(llava_app, c) for c in image_conversations().values()]
+    check_all(answers, list(llava_references.values()))
+
+
+def test_model_info_names_the_image_modality(llava_app):
+    info = llava_app["stub"].GetModelInfo(pb.GetModelInfoRequest(), metadata=llava_app["metadata"], timeout=60)
+    assert list(info.modalities) == ["text", "image"]
+
+
+def test_same_image_is_encoded_once_and_hits_the_prefix_cache(llava_app):
+    def ask(seed):
+        return [{"role": "user", "content": [{"type": "image", "data": png(seed)},
+                                             {"type": "text", "text": "Name one color in it."}]}]
+
+    before = stats(llava_app)
+    first = generate(llava_app, ask(200))
+    after_first = wait_all_blocks_free(llava_app)
+    other = generate(llava_app, ask(201))
+    after_other = wait_all_blocks_free(llava_app)
+    assert after_other["prefix_cache_hit_tokens"] == after_first["prefix_cache_hit_tokens"]  # nothing shared
+    assert other != first
+    assert generate(llava_app, ask(200)) == first
+    after_again = wait_all_blocks_free(llava_app)
+    assert after_again["prefix_cache_hit_tokens"] - after_other["prefix_cache_hit_tokens"] == 32  # 2 of its 3 blocks
+    encoder_before, encoder_after = before["encoder"], after_again["encoder"]
+    assert encoder_after["cache_misses"] - encoder_before["cache_misses"] == 2
+    assert encoder_after["cache_hits"] - encoder_before["cache_hits"] == 1
+
+
+def test_media_metrics_are_exported(llava_app, server):
+    generate(llava_app, image_conversations()["one image"])
+    placement = f'placement="{llava_app["placement"]}"'
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = requests.get(server["metrics"], timeout=30).text
+        lines = [line for line in text.splitlines() if line.startswith("ray_pagoda_")]
+        wanted = [any(line.startswith(name) and placement in line for line in lines)
+                  for name in ("ray_pagoda_encoder_latency_seconds_count", "ray_pagoda_encoder_cache_hits_total",
+                               "ray_pagoda_encoder_cache_misses_total")]
+        if all(wanted) and any(line.startswith("ray_pagoda_media_items_total") and 'modality="image"' in line
+                               for line in lines):
+            return
+        time.sleep(1)
+    raise AssertionError(f"media metrics missing for {placement}: {wanted}")
+
+
+def _image(fmt: str, size=(8, 8), mode="RGB") -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new(mode, size).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def _wav(seconds: float = 0.5) -> bytes:
+    import numpy as np
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(int(16000 * seconds), dtype=np.float32), 16000, format="WAV")
+    return buffer.getvalue()
+
+
+BAD_MEDIA = {
+    "not an image": (b"hello, I am text", "is not an image"),
+    "truncated": (png(5, (64, 64))[:400], "damaged PNG"),
+    "a format not taken": (_image("GIF"), "GIF image"),
+    "over the byte cap": (png(6, (160, 160)), f"at most {MAX_MEDIA_BYTES}"),
+    "a decompression bomb": (_image("PNG", (6000, 6000), "L"), "6000x6000 pixels"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MEDIA))
+def test_bad_media_is_invalid_argument_naming_its_part(llava_app, case):
+    data, reason = BAD_MEDIA[case]
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image", "data": data}]}]
+    with pytest.raises(grpc.RpcError) as error:
+        generate(llava_app, conversation)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages[0].parts[1].image" in error.value.details() and reason in error.value.details()
+    s = wait_all_blocks_free(llava_app)
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+def test_audio_and_too_many_images_are_refused(llava_app):
+    for content, where, reason in [
+        ([{"type": "audio", "data": _wav()}], "messages[0].parts[0].audio", "takes image, not audio"),
+        ([{"type": "image", "data": png(i)} for i in range(4)], "messages[0].parts[3].image", "at most 3"),
+    ]:
+        with pytest.raises(grpc.RpcError) as error:
+            generate(llava_app, [{"role": "user", "content": content}])
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert where in error.value.details() and reason in error.value.details()
+    assert generate(llava_app, image_conversations()["one image"])  # still serving
+
+
+def test_openai_image_url_data_urls(llava_app, llava_dir, llava_references):
+    url = "data:image/png;base64," + base64.b64encode(png(1)).decode()
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is in this picture?"}]}],
+            "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = requests.post(f"{llava_app['http']}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llava_dir)
+    expected = tokenizer.decode(llava_references["one image"].token_ids, skip_special_tokens=True)
+    assert r.json()["choices"][0]["message"]["content"] == expected
+    for part, param in [({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "image_url.url"),
+                        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "image_url.url"),
+                        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}}, "input_audio.format")]:
+        r = requests.post(f"{llava_app['http']}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": [part]}], "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"messages[0].content[0].{param}", r.text
+
