@@ -166,6 +166,10 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
 @click.option("--model", "model_dir", default=None, help="Model directory for --offline (default: the fetched default model).")
 @click.option("--prompts-file", type=click.File("r"), default=None, help='JSONL: {"prompt": ...} or {"messages": [...]} per line; "-" for stdin.')
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user chat message instead of raw text.")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image (PNG, JPEG, WebP) before PROMPT in the chat message (repeatable; multimodal models).")
+@click.option("--audio", "audios", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An audio clip (WAV, FLAC) before PROMPT in the chat message (repeatable; multimodal models).")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -177,15 +181,23 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
 @click.option("--quantization", type=click.Choice(["int8"]), default=None,
               help="int8 weights (CPU): faster decode, not bit-equal to HF (see docs/benchmarks.md).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
-def generate(prompt, offline, server, model_dir, prompts_file, chat, max_tokens, temperature, top_p, top_k, seed,
-             stop, ignore_eos, max_num_batched_tokens, quantization, as_json) -> None:
+def generate(prompt, offline, server, model_dir, prompts_file, chat, images, audios, max_tokens, temperature, top_p,
+             top_k, seed, stop, ignore_eos, max_num_batched_tokens, quantization, as_json) -> None:
     """Generate for PROMPT or every line of --prompts-file: from a running server (gRPC,
     streamed), or --offline in this process with all prompts batched together."""
+    from pathlib import Path
+
     from cluster import InvalidRequestError, SamplingParams
 
     if (prompt is None) == (prompts_file is None):
         raise click.UsageError("give a PROMPT or --prompts-file (one of them)")
-    if prompt is not None:
+    if (images or audios) and not (chat and prompt is not None):
+        raise click.UsageError("--image and --audio go with --chat and a PROMPT")
+    if prompt is not None and (images or audios):
+        media = [{"type": kind, "data": Path(path).read_bytes(), "where": f"--{kind} {path}"}
+                 for kind, paths in (("image", images), ("audio", audios)) for path in paths]
+        prompts = [{"messages": [{"role": "user", "content": [*media, {"type": "text", "text": prompt}]}]}]
+    elif prompt is not None:
         prompts = [{"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}]
     else:
         from cluster.engine.prompt import read_prompt_records
@@ -215,13 +227,10 @@ def _generate_offline(prompts, params, model_dir, max_num_batched_tokens, quanti
     try:
         llm = LLM(model_dir or str(fetch_default_model(log=lambda m: click.echo(m, err=True))),
                   max_num_batched_tokens=max_num_batched_tokens, quantization=quantization)
-        encoded = [
-            llm.engine.encode_prompt(p.get("prompt"), p.get("messages"))
-            for p in prompts
-        ]
+        encoded = [llm.encode(p.get("prompt"), p.get("messages")) for p in prompts]
     except (InvalidRequestError, UnsupportedModelError) as e:
         raise click.ClickException(str(e)) from None
-    outputs = llm.generate(encoded, params)
+    outputs = llm.run(encoded, params)
     for i, (line, out) in enumerate(zip(prompts, outputs)):
         completion = out.outputs[0]
         _print_result(i, line, completion.text, completion.token_ids, completion.finish_reason, as_json)
@@ -230,6 +239,7 @@ def _generate_offline(prompts, params, model_dir, max_num_batched_tokens, quanti
 def _generate_online(prompts, params, server, as_json) -> None:
     import grpc
 
+    from cluster.serve import grpc_convert
     from protos import inference_pb2 as pb
     from protos import inference_pb2_grpc as pb_grpc
 
@@ -241,8 +251,7 @@ def _generate_online(prompts, params, server, as_json) -> None:
         stub = pb_grpc.InferenceStub(channel)
         for i, line in enumerate(prompts):
             if "messages" in line:
-                messages = [pb.Message(role=m["role"], parts=[pb.Part(text=m["content"])]) for m in line["messages"]]
-                request = pb.GenerateRequest(messages=messages, sampling=sampling)
+                request = pb.GenerateRequest(messages=grpc_convert.grpc_messages(line["messages"]), sampling=sampling)
             else:
                 request = pb.GenerateRequest(prompt=line["prompt"], sampling=sampling)
             text, token_ids, finish_reason = "", [], None
@@ -262,13 +271,21 @@ def _generate_online(prompts, params, server, as_json) -> None:
 
 
 def _print_result(i, line, text, token_ids, finish_reason, as_json) -> None:
+    messages = [{**m, "content": _shown(m["content"])} for m in line.get("messages", [])]
     if as_json:
-        record = {"index": i, "prompt": line.get("prompt", line.get("messages")), "text": text,
+        record = {"index": i, "prompt": line.get("prompt", messages), "text": text,
                   "token_ids": token_ids, "finish_reason": finish_reason}
         click.echo(json.dumps(record, ensure_ascii=False))
     else:
-        shown = line.get("prompt") or line["messages"][-1]["content"]
+        shown = line.get("prompt") or messages[-1]["content"]
         click.echo(f"[{i}] {shown}\n    -> {text.strip()}  ({finish_reason})")
+
+
+def _shown(content) -> str:
+    """A message's content as text, media named by the option that brought it: "[--image cat.png] What is it?"."""
+    if isinstance(content, str):
+        return content
+    return " ".join(p["text"] if p["type"] == "text" else f"[{p['where']}]" for p in content)
 
 
 def parse_replica_range(text: str) -> dict:

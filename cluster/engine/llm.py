@@ -32,8 +32,7 @@ class LLM:
         """Raw prompts (text or token ids), encoded as `tokenizer(prompt)` does."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        encoded = [(p if isinstance(p, str) else None, self.engine.encode_prompt(p), []) for p in prompts]
-        return self._run(encoded, sampling_params or SamplingParams(), use_tqdm)
+        return self.run([self.encode(p) for p in prompts], sampling_params or SamplingParams(), use_tqdm)
 
     def chat(
         self,
@@ -46,14 +45,16 @@ class LLM:
         {"type": "image" | "audio", "data": <the file's bytes>}."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        if self.engine.multimodal is not None:
-            encoded = [(None, *self.engine.encode_media_prompt(c)) for c in conversations]
-        else:
-            encoded = [(None, self.engine.encode_prompt(messages=c), []) for c in conversations]
-        return self._run(encoded, sampling_params or SamplingParams(), use_tqdm)
+        return self.run([self.encode(messages=c) for c in conversations], sampling_params or SamplingParams(), use_tqdm)
 
-    def _run(self, encoded, params: SamplingParams, use_tqdm: bool) -> list[RequestOutput]:
-        """encoded: (prompt text or None, token ids, media items) per request."""
+    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> tuple:
+        """(prompt text or None, token ids, media items) for `run`."""
+        if messages is not None and self.engine.multimodal is not None:
+            return (None, *self.engine.encode_media_prompt(messages))
+        return (prompt if isinstance(prompt, str) else None, self.engine.encode_prompt(prompt, messages), [])
+
+    def run(self, encoded: list[tuple], params: SamplingParams, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Requests as `encode` makes them, batched together."""
         results: dict[str, RequestOutput] = {}
         for prompt, token_ids, media in encoded:
             request_id = str(next(self._ids))

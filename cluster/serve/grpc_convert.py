@@ -52,6 +52,17 @@ def prompt_or_messages(request: pb.GenerateRequest) -> tuple[str | None, list[di
     return None, messages
 
 
+def grpc_messages(messages: list[dict]) -> list[pb.Message]:
+    """The other way (clients: `pagoda generate`): messages whose content is text or a list of
+    parts ({"type": "text", "text"} or {"type": "image" | "audio", "data": bytes})."""
+    def parts(content):
+        if isinstance(content, str):
+            return [pb.Part(text=content)]
+        return [pb.Part(text=p["text"]) if p["type"] == "text" else pb.Part(**{p["type"]: p["data"]}) for p in content]
+
+    return [pb.Message(role=m["role"], parts=parts(m["content"])) for m in messages]
+
+
 def response(delta: RequestDelta) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         index=delta.index,

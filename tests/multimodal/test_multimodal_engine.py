@@ -3,6 +3,8 @@ media in the block hashes, the embedding cache, and a multimodal prefix restored
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cluster import LLM, SamplingParams
@@ -73,3 +75,20 @@ def test_an_evicted_multimodal_prefix_comes_back_from_host_ram(llava_dir, llava_
     llm.chat(other, GREEDY)
     assert restored["host"] == 2
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
+
+
+def test_pagoda_generate_offline_takes_images(llava_dir, llava_references, tmp_path):
+    from tests.cluster.test_cli import run_in_process
+
+    image = tmp_path / "picture.png"
+    image.write_bytes(png(1))
+    result = run_in_process("generate", "--offline", "--model", llava_dir, "--chat", "--image", str(image),
+                            "--max-tokens", str(MAX_TOKENS), "--json", "What is in this picture?")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.splitlines()[-1])
+    assert record["token_ids"] == llava_references["one image"].token_ids
+    assert record["prompt"][0]["content"] == f"[--image {image}] What is in this picture?"
+    text = tmp_path / "notes.txt"
+    text.write_text("not a picture")
+    result = run_in_process("generate", "--offline", "--model", llava_dir, "--chat", "--image", str(text), "Hi")
+    assert result.exit_code == 1 and f"--image {text}: is not an image" in result.output

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import requests
 
+from cluster.serve.grpc_convert import grpc_messages
 from protos import inference_pb2 as pb
 from tests.cluster.test_disaggregated_serving import deployed
 from tests.hf_reference import check_all
@@ -35,14 +36,6 @@ def llava_app(request, server, llava_dir):
                   engine={"encoder": placement}, limits={"max_media_items": 3, "max_media_bytes": MAX_MEDIA_BYTES},
                   encoder_server={"ray_actor_options": {"num_cpus": 0}}) as app:
         yield {**app, "placement": placement}
-
-
-def grpc_messages(conversation: list[dict]) -> list[pb.Message]:
-    def part(p):
-        return pb.Part(text=p["text"]) if p["type"] == "text" else pb.Part(**{p["type"]: p["data"]})
-
-    return [pb.Message(role=m["role"], parts=[pb.Part(text=m["content"])] if isinstance(m["content"], str)
-                       else [part(p) for p in m["content"]]) for m in conversation]
 
 
 def generate(app, conversation: list[dict]) -> list[int]:
