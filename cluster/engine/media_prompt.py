@@ -100,9 +100,10 @@ class MediaPromptEncoder:
         except ValueError as e:  # e.g. a placeholder spelt in the text: more placeholders than media
             raise InvalidRequestError("messages", f"the model's processor refused them: {e}") from None
         token_ids = [int(t) for t in out["input_ids"][0]]
+        prompt_keys = {*PROMPT_KEYS, *getattr(self.processor, "unused_input_names", ())}
         items = [
             MediaItem(kind, content_hash(kind, data),
-                      {key: np.ascontiguousarray(value[k : k + 1]) for key, value in out.items() if key not in PROMPT_KEYS},
+                      {key: np.ascontiguousarray(value[k : k + 1]) for key, value in out.items() if key not in prompt_keys},
                       where=where)
             for k, (kind, data, where) in enumerate(raw)
         ]

@@ -10,29 +10,55 @@ import pytest
 import torch
 
 from tests.hf_reference import Reference
+from tests.multimodal import models
 
 MAX_TOKENS = 16  # of every greedy answer compared with HF's
 
+# family -> (how the test writes it, its HF class, the conversations its parity is checked on)
+FAMILIES = {
+    "llava": (models.build_llava, "LlavaForConditionalGeneration", models.image_conversations),
+    "llava_next": (models.build_llava_next, "LlavaNextForConditionalGeneration", models.image_conversations),
+    "qwen2_audio": (models.build_qwen2_audio, "Qwen2AudioForConditionalGeneration", models.audio_conversations),
+}
+
+
+class Checkpoints:
+    """Each family's directory, written on first use; HF's greedy answers likewise."""
+
+    def __init__(self, lm_dir: str, tmp_path_factory):
+        self.lm_dir, self.tmp_path_factory = Path(lm_dir), tmp_path_factory
+        self._dirs: dict[str, str] = {}
+        self._references: dict[str, dict[str, Reference]] = {}
+
+    def dir(self, family: str) -> str:
+        if family not in self._dirs:
+            build = FAMILIES[family][0]
+            self._dirs[family] = str(build(self.tmp_path_factory.mktemp(family), self.lm_dir))
+        return self._dirs[family]
+
+    def references(self, family: str) -> dict[str, Reference]:
+        if family not in self._references:
+            import transformers
+
+            _, class_name, conversations = FAMILIES[family]
+            oracle = HFMultimodalOracle(getattr(transformers, class_name), self.dir(family))
+            self._references[family] = {name: oracle.greedy(c, MAX_TOKENS) for name, c in conversations().items()}
+        return self._references[family]
+
 
 @pytest.fixture(scope="session")
-def llava_dir(model_dir, tmp_path_factory) -> str:
-    from tests.multimodal.models import build_llava
-
-    return str(build_llava(tmp_path_factory.mktemp("llava"), Path(model_dir)))
+def checkpoints(model_dir, tmp_path_factory) -> Checkpoints:
+    return Checkpoints(model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def llava_oracle(llava_dir):
-    from transformers import LlavaForConditionalGeneration
-
-    return HFMultimodalOracle(LlavaForConditionalGeneration, llava_dir)
+def llava_dir(checkpoints) -> str:
+    return checkpoints.dir("llava")
 
 
 @pytest.fixture(scope="session")
-def llava_references(llava_oracle) -> dict[str, Reference]:
-    from tests.multimodal.models import image_conversations
-
-    return {name: llava_oracle.greedy(c, MAX_TOKENS) for name, c in image_conversations().items()}
+def llava_references(checkpoints) -> dict[str, Reference]:
+    return checkpoints.references("llava")
 
 
 class HFMultimodalOracle:
@@ -56,12 +82,26 @@ class HFMultimodalOracle:
                 for part in content:
                     if part["type"] == "image":
                         media.append(Image.open(io.BytesIO(part["data"])).convert("RGB"))
+                    elif part["type"] == "audio":
+                        media.append(_waveform(part["data"], self.processor.feature_extractor.sampling_rate))
                 content = [{"type": p["type"]} if p["type"] != "text" else p for p in content]
             messages.append({"role": message["role"], "content": content})
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        inputs = self.processor(text=text, images=media or None, return_tensors="pt")
+        kind = "audio" if hasattr(self.processor, "feature_extractor") else "images"
+        extra = {"sampling_rate": self.processor.feature_extractor.sampling_rate} if kind == "audio" else {}
+        inputs = self.processor(text=text, return_tensors="pt", **{kind: media or None}, **extra)
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
                                   return_dict_in_generate=True)
         tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
         gaps = [(lambda top: (top[0] - top[1]).item())(logits[0].float().topk(2).values) for logits in out.logits]
         return Reference(tokens, gaps)
+
+
+def _waveform(data: bytes, rate: int):
+    """Mono samples at the model's rate: librosa's way of loading (soundfile, then soxr's resampler)."""
+    import soundfile
+    import soxr
+
+    samples, source_rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    mono = samples.mean(axis=1)
+    return soxr.resample(mono, source_rate, rate) if source_rate != rate else mono

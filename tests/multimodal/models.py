@@ -65,6 +65,60 @@ def build_llava(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def build_llava_next(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
+    """LlavaNextForConditionalGeneration (LLaVA-1.6): the same tower, but each image is also cut
+    into tiles of the grid that best fits its aspect ratio ("anyres"), their features unpadded to
+    the image's shape with a learned newline embedding ending each row."""
+    from transformers import (CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessor, LlavaNextProcessor)
+
+    lm, tokenizer = _language_model(lm_dir, ["<image>"])
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=64)
+    pinpoints = [[IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE], [2 * IMAGE_SIZE, 2 * IMAGE_SIZE]]
+    config = LlavaNextConfig(vision_config=vision, text_config=lm.config, image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                             image_grid_pinpoints=pinpoints, vision_feature_layer=-2,
+                             vision_feature_select_strategy="default", tie_word_embeddings=lm.config.tie_word_embeddings)
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(lm.model.state_dict())
+    _scale_projector_output(model.model.multi_modal_projector.linear_2, lm)
+    with torch.no_grad():  # the row separator: the LM's own newline, rather than random numbers
+        model.model.image_newline.copy_(lm.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("Ċ")])
+    model.save_pretrained(out_dir)
+    image_processor = LlavaNextImageProcessor(size={"shortest_edge": IMAGE_SIZE}, image_grid_pinpoints=pinpoints,
+                                              crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                   chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_qwen2_audio(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
+    """Qwen2AudioForConditionalGeneration: its Whisper-style audio tower (2 layers over 128-bin
+    log-mel frames, 4 audio tokens per 160 ms), its linear projector, and SmolLM2 as the LM."""
+    from transformers import (Qwen2AudioConfig, Qwen2AudioEncoderConfig, Qwen2AudioForConditionalGeneration,
+                              Qwen2AudioProcessor, WhisperFeatureExtractor)
+
+    lm, tokenizer = _language_model(lm_dir, ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"])
+    audio = Qwen2AudioEncoderConfig(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4,
+                                    encoder_ffn_dim=128, d_model=64, max_source_positions=1500)
+    config = Qwen2AudioConfig(audio_config=audio, text_config=lm.config,
+                              audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
+    torch.manual_seed(seed)
+    model = Qwen2AudioForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(lm.model.state_dict())
+    with torch.no_grad():  # this class keeps an LM head of its own (untied): the LM's, copied
+        model.lm_head.weight.copy_(lm.get_output_embeddings().weight)
+    _scale_projector_output(model.model.multi_modal_projector.linear, lm)
+    model.save_pretrained(out_dir)
+    processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=tokenizer,
+                                    chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
 def _scale_projector_output(linear, lm) -> None:
     """Random projections come out ~100x smaller than the LM's token embeddings, so the image would
     barely move the answer; scaled to their norm, two images give two different answers."""
@@ -82,6 +136,32 @@ def png(seed: int, size: tuple[int, int] = (40, 32)) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def wav(seed: int, seconds: float = 1.0, rate: int = 16000) -> bytes:
+    """A mix of two random tones with noise, as 16-bit WAV bytes."""
+    import soundfile
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    samples = sum(0.3 * np.sin(2 * np.pi * rng.uniform(100, 2000) * t) for _ in range(2)) + 0.05 * rng.standard_normal(len(t))
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples.astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def audio_conversations() -> dict[str, list[dict]]:
+    return {
+        "one clip": [{"role": "user", "content": [
+            {"type": "audio", "data": wav(1)}, {"type": "text", "text": "What do you hear?"}]}],
+        "two clips, 8 kHz and 16 kHz": [{"role": "user", "content": [
+            {"type": "audio", "data": wav(2, 0.5, 8000)}, {"type": "text", "text": "and"},
+            {"type": "audio", "data": wav(3, 1.5)}, {"type": "text", "text": "Which is louder?"}]}],
+        "second turn": [
+            {"role": "user", "content": "Can you listen to sounds?"},
+            {"role": "assistant", "content": "Yes, play me one."},
+            {"role": "user", "content": [{"type": "audio", "data": wav(4)}, {"type": "text", "text": "What is it?"}]}],
+    }
 
 
 def image_conversations() -> dict[str, list[dict]]:

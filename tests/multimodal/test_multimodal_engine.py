@@ -10,7 +10,7 @@ import pytest
 from cluster import LLM, SamplingParams
 from cluster.engine.errors import InvalidRequestError
 from tests.hf_reference import check_all
-from tests.multimodal.conftest import MAX_TOKENS
+from tests.multimodal.conftest import FAMILIES, MAX_TOKENS
 from tests.multimodal.models import image_conversations, png
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
@@ -23,11 +23,15 @@ def llava(llava_dir):
     llm.shutdown()
 
 
-def test_llava_equals_hf_token_for_token(llava, llava_references):
-    conversations = image_conversations()
-    outputs = llava.chat(list(conversations.values()), GREEDY)
-    check_all([o.outputs[0].token_ids for o in outputs], list(llava_references.values()))
-    assert llava.engine.num_free_blocks == llava.engine.num_blocks
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_answers_equal_hf_token_for_token(checkpoints, family):
+    """One image, two images, an image in the second turn, text alone (and the same with audio
+    clips, one of them at 8 kHz), all at once in one batch."""
+    llm = LLM(checkpoints.dir(family), num_blocks=128)
+    conversations = FAMILIES[family][2]()
+    outputs = llm.chat(list(conversations.values()), GREEDY)
+    check_all([o.outputs[0].token_ids for o in outputs], list(checkpoints.references(family).values()))
+    assert llm.engine.num_free_blocks == llm.engine.num_blocks
 
 
 def test_same_text_different_images_share_no_block_and_answer_differently(llava):

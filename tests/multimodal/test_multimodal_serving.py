@@ -1,9 +1,10 @@
-"""A multimodal model over the real server: gRPC image parts and OpenAI image_url data URLs, with
-the encoder colocated in the LLMServer's engine and as its own EncoderServer deployment (each its
-own Serve application on the session's cluster).
+"""Multimodal models over the real server: gRPC image and audio parts and OpenAI image_url data
+URLs, with the encoder colocated in the LLMServer's engine and as its own EncoderServer
+deployment (each its own Serve application on the session's cluster).
 
-- Greedy answers equal HF's LlavaForConditionalGeneration token for token: one image, two
-  images, an image in the second turn of a chat, text alone.
+- Greedy answers equal HF's model classes token for token: LLaVA (encoder colocated and as a
+  deployment; one image, two images, an image in the second turn of a chat, text alone), and
+  LLaVA-NeXT and Qwen2-Audio (encoder as a deployment; the same with audio clips).
 - The same image twice: encoded once (encoder cache) and its prefix served from the prefix cache;
   another image with the same text shares nothing. Counted in /v1/pagoda/stats and in metrics.
 - Every kind of bad media gets INVALID_ARGUMENT / 400 naming its part, and leaves no block held.
@@ -23,8 +24,8 @@ from cluster.serve.grpc_convert import grpc_messages
 from protos import inference_pb2 as pb
 from tests.cluster.test_disaggregated_serving import deployed
 from tests.hf_reference import check_all
-from tests.multimodal.conftest import MAX_TOKENS
-from tests.multimodal.models import image_conversations, png
+from tests.multimodal.conftest import FAMILIES, MAX_TOKENS
+from tests.multimodal.models import image_conversations, png, wav
 
 MAX_MEDIA_BYTES = 64 << 10
 
@@ -171,3 +172,25 @@ def test_openai_image_url_data_urls(llava_app, llava_dir, llava_references):
                           json={"messages": [{"role": "user", "content": [part]}], "max_tokens": 4})
         assert r.status_code == 400 and r.json()["error"]["param"] == f"messages[0].content[0].{param}", r.text
 
+
+
+@pytest.mark.parametrize("family", ["llava_next", "qwen2_audio"])
+def test_other_families_over_grpc_with_the_encoder_deployment(server, checkpoints, family):
+    references = checkpoints.references(family)
+    with deployed({**server, "model_dir": checkpoints.dir(family)}, family, f"/{family}",
+                  engine={"encoder": "deployment"}, limits={"max_audio_seconds": 2},
+                  encoder_server={"ray_actor_options": {"num_cpus": 0}}) as app:
+        answers = [generate(app, c) for c in FAMILIES[family][2]().values()]
+        check_all(answers, list(references.values()))
+        info = app["stub"].GetModelInfo(pb.GetModelInfoRequest(), metadata=app["metadata"], timeout=60)
+        modality = "audio" if family == "qwen2_audio" else "image"
+        assert list(info.modalities) == ["text", modality]
+        if modality == "audio":
+            for data, reason in [(wav(9, seconds=3.0), "3.0 s of audio; this server takes at most 2 s"),
+                                 (b"RIFF....WAVEfmt ", "is not audio"), (png(1), "is not audio")]:
+                with pytest.raises(grpc.RpcError) as error:
+                    generate(app, [{"role": "user", "content": [{"type": "audio", "data": data}]}])
+                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "messages[0].parts[0].audio" in error.value.details() and reason in error.value.details()
+            s = wait_all_blocks_free(app)
+            assert s["kv_blocks_free"] == s["kv_blocks_total"]
