@@ -133,6 +133,8 @@ def decode_image(data: bytes, where: str, limits: MediaLimits):
         raise InvalidRequestError(where, f"is not an image (taken: {', '.join(IMAGE_FORMATS)})") from None
     except Image.DecompressionBombError as e:
         raise InvalidRequestError(where, f"is too large an image: {e}") from None
+    except (OSError, ValueError, SyntaxError) as e:  # a header cut short or corrupt
+        raise InvalidRequestError(where, f"is a damaged image: {e}") from None
     if image.format not in IMAGE_FORMATS:
         raise InvalidRequestError(where, f"is a {image.format} image; taken: {', '.join(IMAGE_FORMATS)}")
     width, height = image.size
@@ -150,7 +152,8 @@ def decode_image(data: bytes, where: str, limits: MediaLimits):
 
 def decode_audio(data: bytes, where: str, limits: MediaLimits, sampling_rate: int) -> np.ndarray:
     """Mono float32 samples at the feature extractor's rate, or InvalidRequestError: not audio, a
-    format not taken, longer than the cap (from the header), damaged."""
+    format not taken, longer than the cap (from the header), damaged. (A WAV cut short is read
+    as the samples it holds: its header does not say otherwise to libsndfile.)"""
     import soundfile
     import soxr
 
@@ -169,6 +172,8 @@ def decode_audio(data: bytes, where: str, limits: MediaLimits, sampling_rate: in
         raise InvalidRequestError(where, f"is damaged {info.format} audio: {e}") from None
     if len(samples) == 0:
         raise InvalidRequestError(where, "is audio with no samples")
+    if len(samples) < info.frames:
+        raise InvalidRequestError(where, f"is damaged {info.format} audio: {len(samples)} of its {info.frames} frames read")
     mono = samples.mean(axis=1)
     if rate != sampling_rate:
         mono = soxr.resample(mono, rate, sampling_rate)
