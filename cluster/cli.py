@@ -69,9 +69,11 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
               help="HAProxy in front of the HTTP port: a full queue's 429s come back at once, without Python.")
 @click.option("--autoscale", default=None, metavar="MIN:MAX",
               help="Autoscale the model server deployment(s) between MIN and MAX replicas on queue, KV and TTFT.")
+@click.option("--encoder", type=click.Choice(["colocated", "deployment"]), default=None,
+              help="Multimodal models: encode media in the model server's engine, or on an EncoderServer deployment.")
 def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp,
           device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through, preemption_mode, swap_space_gb,
-          drain_timeout, front_door, autoscale) -> None:
+          drain_timeout, front_door, autoscale, encoder) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground. SIGTERM or
     Ctrl-C drains it (new requests refused, those in flight finish), then stops Serve and Ray."""
     import os
@@ -108,6 +110,8 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
         args["front_door"] = True
     if preemption_mode:
         engine["preemption_mode"] = preemption_mode
+    if encoder:
+        engine["encoder"] = encoder
     if autoscale:
         bounds = parse_replica_range(autoscale)
         for server in ("llm_server", "prefill_server") if args.get("disaggregated") else ("llm_server",):

@@ -26,6 +26,11 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 IMAGE_SIZE, PATCH_SIZE = 30, 6  # 25 patches: 25 placeholder tokens per image
+TINY_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=64)
+# CLIP ViT-B/16 at 224 px (openai/clip-vit-base-patch16's tower): 196 image tokens (benchmarks)
+VIT_B16 = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+               image_size=224, patch_size=16, projection_dim=512)
 
 
 def _language_model(lm_dir: Path, new_tokens: list[str]):
@@ -39,15 +44,15 @@ def _language_model(lm_dir: Path, new_tokens: list[str]):
     return lm, tokenizer
 
 
-def build_llava(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
-    """LlavaForConditionalGeneration: CLIP vision tower (2 layers, 30x30 images, 6x6 patches), the
-    two-layer GELU projector, and SmolLM2 as the language model."""
+def build_llava(out_dir: Path, lm_dir: Path, seed: int = 0, vision: dict = TINY_VISION) -> Path:
+    """LlavaForConditionalGeneration: a CLIP vision tower (by default 2 layers, 30x30 images, 6x6
+    patches), the two-layer GELU projector, and SmolLM2 as the language model."""
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
                               LlavaProcessor)
 
     lm, tokenizer = _language_model(lm_dir, ["<image>"])
-    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=64)
+    image_size, patch_size = vision["image_size"], vision["patch_size"]
+    vision = CLIPVisionConfig(**vision)
     config = LlavaConfig(vision_config=vision, text_config=lm.config, image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                          vision_feature_layer=-2, vision_feature_select_strategy="default",
                          tie_word_embeddings=lm.config.tie_word_embeddings)
@@ -56,9 +61,9 @@ def build_llava(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
     model.model.language_model.load_state_dict(lm.model.state_dict())
     _scale_projector_output(model.model.multi_modal_projector.linear_2, lm)
     model.save_pretrained(out_dir)
-    image_processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
-                                         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+    image_processor = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                         crop_size={"height": image_size, "width": image_size})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out_dir)
@@ -73,8 +78,7 @@ def build_llava_next(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
                               LlavaNextImageProcessor, LlavaNextProcessor)
 
     lm, tokenizer = _language_model(lm_dir, ["<image>"])
-    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=64)
+    vision = CLIPVisionConfig(**TINY_VISION)
     pinpoints = [[IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE], [2 * IMAGE_SIZE, 2 * IMAGE_SIZE]]
     config = LlavaNextConfig(vision_config=vision, text_config=lm.config, image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                              image_grid_pinpoints=pinpoints, vision_feature_layer=-2,

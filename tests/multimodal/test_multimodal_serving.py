@@ -129,6 +129,11 @@ BAD_MEDIA = {
 }
 
 
+# Media is checked at the ingress, whatever the encoder's placement: these run on one of the apps.
+ONE_PLACEMENT = pytest.mark.parametrize("llava_app", ["deployment"], indirect=True)
+
+
+@ONE_PLACEMENT
 @pytest.mark.parametrize("case", list(BAD_MEDIA))
 def test_bad_media_is_invalid_argument_naming_its_part(llava_app, case):
     data, reason = BAD_MEDIA[case]
@@ -141,6 +146,7 @@ def test_bad_media_is_invalid_argument_naming_its_part(llava_app, case):
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
 
 
+@ONE_PLACEMENT
 def test_audio_and_too_many_images_are_refused(llava_app):
     for content, where, reason in [
         ([{"type": "audio", "data": _wav()}], "messages[0].parts[0].audio", "takes image, not audio"),
@@ -153,6 +159,7 @@ def test_audio_and_too_many_images_are_refused(llava_app):
     assert generate(llava_app, image_conversations()["one image"])  # still serving
 
 
+@ONE_PLACEMENT
 def test_openai_image_url_data_urls(llava_app, llava_dir, llava_references):
     url = "data:image/png;base64," + base64.b64encode(png(1)).decode()
     body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
