@@ -192,7 +192,17 @@ def test_other_families_over_grpc_with_the_encoder_deployment(server, checkpoint
         info = app["stub"].GetModelInfo(pb.GetModelInfoRequest(), metadata=app["metadata"], timeout=60)
         modality = "audio" if family == "qwen2_audio" else "image"
         assert list(info.modalities) == ["text", modality]
-        if modality == "audio":
+        if modality == "audio":  # the first clip once more, as OpenAI input_audio
+            from transformers import AutoTokenizer
+
+            clip = FAMILIES[family][2]()["one clip"][0]["content"]
+            body = {"messages": [{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip[0]["data"]).decode(), "format": "wav"}},
+                {"type": "text", "text": clip[1]["text"]}]}], "max_tokens": MAX_TOKENS, "temperature": 0}
+            r = requests.post(f"{app['http']}/v1/chat/completions", json=body, timeout=300)
+            expected = AutoTokenizer.from_pretrained(checkpoints.dir(family)).decode(
+                references["one clip"].token_ids, skip_special_tokens=True)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected, r.text
             for data, reason in [(wav(9, seconds=3.0), "3.0 s of audio; this server takes at most 2 s"),
                                  (b"RIFF....WAVEfmt ", "is not audio"), (png(1), "is not audio")]:
                 with pytest.raises(grpc.RpcError) as error:
