@@ -58,8 +58,9 @@ class EngineConfig:
     # Disaggregation: "prefill" or "decode" engines move KV through Ray's object store.
     kv_role: str | None = None
     # Multimodal models: where media is encoded. "colocated": by this engine, on its thread, before
-    # a request is queued; "deployment": by an EncoderServer (cluster/serve/encoder_server.py), so
-    # requests arrive with embeddings and this engine never loads the encoder.
+    # a request is queued (the running requests' next step waits that long); "deployment": by an
+    # EncoderServer (cluster/serve/encoder_server.py), so requests arrive with embeddings and this
+    # engine never loads the encoder.
     encoder: str = "colocated"
     embedding_cache_bytes: int = 256 << 20  # encoded media kept by content hash (colocated)
 

@@ -103,7 +103,8 @@ class LLMEngine:
         if self._media_prompts is None:
             from cluster.engine.media_prompt import MediaPromptEncoder
 
-            self._media_prompts = MediaPromptEncoder(self.config.model, self.multimodal)
+            self._media_prompts = MediaPromptEncoder(self.config.model, self.multimodal,
+                                                     max_text_chars=self.prompts.max_prompt_chars)
         token_ids, media = self._media_prompts.encode(messages)
         self.prompts.check(token_ids)
         return token_ids, media
