@@ -71,9 +71,11 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
               help="Autoscale the model server deployment(s) between MIN and MAX replicas on queue, KV and TTFT.")
 @click.option("--encoder", type=click.Choice(["colocated", "deployment"]), default=None,
               help="Multimodal models: encode media in the model server's engine, or on an EncoderServer deployment.")
+@click.option("--api-keys", "api_keys_file", type=click.Path(dir_okay=False), default=None,
+              help="YAML of tenants and their API keys; without it the server is open.")
 def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp,
           device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through, preemption_mode, swap_space_gb,
-          drain_timeout, front_door, autoscale, encoder) -> None:
+          drain_timeout, front_door, autoscale, encoder, api_keys_file) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground. SIGTERM or
     Ctrl-C drains it (new requests refused, those in flight finish), then stops Serve and Ray."""
     import os
@@ -112,6 +114,8 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
         engine["preemption_mode"] = preemption_mode
     if encoder:
         engine["encoder"] = encoder
+    if api_keys_file:
+        args["api_keys_file"] = str(Path(api_keys_file).resolve())
     if autoscale:
         bounds = parse_replica_range(autoscale)
         for server in ("llm_server", "prefill_server") if args.get("disaggregated") else ("llm_server",):

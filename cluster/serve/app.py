@@ -24,6 +24,7 @@ from ray import serve
 from cluster.serve.ingress import Ingress, build_fastapi_app
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import LLMServer
+from cluster.serve.tenants import load_keys_file
 
 GRPC_SERVICERS = ["cluster.serve.grpc_servicer.add_inference_servicer", "cluster.serve.grpc_servicer.add_health_servicer"]
 # Ray Serve's own router: the replica whose past prompts share the longest prefix with this one,
@@ -126,6 +127,8 @@ class AppConfig(BaseModel):
     front_door: bool = Field(False, description="`pagoda serve` puts HAProxy in front of the HTTP port; it refuses "
                              "generation requests with 429 while the ingress queue is full (cluster/serve/front_door.py)")
     front_door_dir: str | None = Field(None, description="set by `pagoda serve`: where the ingress tells the front door")
+    api_keys_file: str | None = Field(None, description="tenants and their API keys (cluster/serve/tenants.py); "
+                                      "none: the server is open to anyone who reaches it")
 
     @model_validator(mode="before")
     @classmethod
@@ -154,6 +157,8 @@ def check_app_args(args: dict) -> tuple[AppConfig, dict | None, dict]:
     from model.tp_layout import head_shard
 
     config = parse_app_config(args)
+    if config.api_keys_file:
+        load_keys_file(config.api_keys_file)  # a missing or malformed file fails here, naming it
     model = config.model
     if model is None:
         from cluster.model_fetch import fetch_default_model
@@ -191,7 +196,8 @@ def build_app(args: dict | None = None):
     ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
     return serve.deployment(ingress_cls, name="Ingress", **ingress_options).bind(
         llm_server, limits=config.limits.model_dump(), max_pending_requests=max_pending_requests(config),
-        front_door_dir=config.front_door_dir, encoder_server=encoder_server(config, decode_engine))
+        front_door_dir=config.front_door_dir, encoder_server=encoder_server(config, decode_engine),
+        api_keys=load_keys_file(config.api_keys_file) if config.api_keys_file else None)
 
 
 def encoder_server(config: AppConfig, engine: dict):

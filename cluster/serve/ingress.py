@@ -23,7 +23,7 @@ import uuid
 
 import grpc
 from grpc_health.v1 import health_pb2
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from transformers import AutoTokenizer
@@ -45,6 +45,7 @@ from cluster.serve.front_door import FrontDoorFlag
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.metrics import MediaMetrics
+from cluster.serve.tenants import KeyRing, UnauthenticatedError, bearer_key
 from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
     ChatResponseBuilder,
@@ -72,6 +73,8 @@ def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
     cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the original as .cause
+    if isinstance(cause, UnauthenticatedError):
+        return 401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED, str(cause)
     if isinstance(cause, RequestTooLargeError):
         return 413, "invalid_request_error", grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause)
     if isinstance(cause, UnsupportedMediaTypeError):
@@ -99,8 +102,11 @@ def _field(exc: BaseException) -> str | None:
 
 class Ingress:
     def __init__(self, llm_server, model_name: str | None = None, limits: dict | None = None,
-                 max_pending_requests: int = 256, front_door_dir: str | None = None, encoder_server=None):
+                 max_pending_requests: int = 256, front_door_dir: str | None = None, encoder_server=None,
+                 api_keys: dict[str, list[str]] | None = None):
         self.llm = llm_server  # DeploymentHandle to LLMServer
+        # tenant -> SHA-256 digests of its keys (cluster/serve/tenants.py); None: an open server
+        self._keys = KeyRing(api_keys) if api_keys else None
         # DeploymentHandle to an EncoderServer (encoder: deployment): media is encoded there before
         # the LLMServer sees the request; None: the LLMServer's engine encodes it (colocated).
         self.encoder_server = encoder_server
@@ -139,6 +145,17 @@ class Ingress:
                     self._encoder = encoder
         return self._encoder
 
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The tenant whose key the `Authorization` value holds (None on an open server);
+        UnauthenticatedError without a valid one."""
+        if self._keys is None:
+            return None
+        return self._keys.tenant(bearer_key(authorization))
+
+    def _authenticate_grpc(self, grpc_context) -> str | None:
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        return self.authenticate(metadata.get("authorization"))
+
     @contextlib.contextmanager
     def _admission(self):
         """Holds a place among this replica's pending requests until the first delta (or an
@@ -160,7 +177,7 @@ class Ingress:
         if self._front_door is not None:
             self._front_door.set_full(self.num_pending_requests >= self.max_pending_requests)
 
-    async def _submit(self, prompt, messages, params, timeout_s: float | None = None):
+    async def _submit(self, prompt, messages, params, tenant: str | None, timeout_s: float | None = None):
         """Check the limits, tokenize (and for a multimodal model decode and process its media,
         encoded by the EncoderServer where there is one), and start streaming deltas. The first
         delta is awaited here, so errors that happen before any output (overload, bad input) raise
@@ -179,7 +196,7 @@ class Ingress:
             self._media_metrics.record_items(media)
             if self.encoder_server is not None:
                 media = await self.encoder_server.encode.remote(media)
-        request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s, media)
+        request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s, media, tenant)
         deltas = _cancel_when_abandoned(self.llm.options(stream=True).generate.remote(request))
         # After a last delta the stream simply ends, so callers iterate `deltas` as is.
         return await deltas.__anext__(), deltas
@@ -190,11 +207,12 @@ class Ingress:
         self.num_in_flight += 1
         try:
             try:
+                tenant = self._authenticate_grpc(grpc_context)
                 with self._admission():
                     self._check_size(request.ByteSize())
                     prompt, messages = grpc_convert.prompt_or_messages(request)
                     params = grpc_convert.grpc_sampling_params(request.sampling)
-                    first, deltas = await self._submit(prompt, messages, params)
+                    first, deltas = await self._submit(prompt, messages, params, tenant)
             except Exception as e:
                 self._set_grpc_error(grpc_context, e)
                 raise
@@ -208,8 +226,13 @@ class Ingress:
         finally:
             self.num_in_flight -= 1
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
-        await self._ready()
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context) -> pb.ModelInfo:
+        try:
+            self._authenticate_grpc(grpc_context)
+            await self._ready()
+        except Exception as e:
+            self._set_grpc_error(grpc_context, e)
+            raise
         return grpc_convert.model_info(self._info)
 
     async def Health(self, request: pb.HealthRequest) -> pb.HealthResponse:
@@ -268,8 +291,9 @@ class Ingress:
     # ---- OpenAI HTTP ------------------------------------------------------------------------
 
     async def health(self):
+        """Open to all (probes carry no key): ready or not, and which model."""
         await self._ready()
-        return {"status": "ok"}
+        return {"status": "ok", "model": self.model_name}
 
     async def models(self):
         await self._ready()
@@ -308,25 +332,26 @@ class Ingress:
         return {"app": app_name, "deployments": deployments, "groups": groups, "nodes": nodes,
                 "engine": await self.stats(), "model": self.model_name}
 
-    async def completions(self, raw: Request):
-        return await self._openai(raw, CompletionRequest, self._completion_inputs, CompletionResponseBuilder)
+    async def completions(self, raw: Request, tenant: str | None = None):
+        return await self._openai(raw, tenant, CompletionRequest, self._completion_inputs, CompletionResponseBuilder)
 
-    async def chat_completions(self, raw: Request):
-        return await self._openai(raw, ChatCompletionRequest, self._chat_inputs, ChatResponseBuilder)
+    async def chat_completions(self, raw: Request, tenant: str | None = None):
+        return await self._openai(raw, tenant, ChatCompletionRequest, self._chat_inputs, ChatResponseBuilder)
 
-    async def _openai(self, raw: Request, model_cls, inputs, builder_cls: type[ResponseBuilder]):
+    async def _openai(self, raw: Request, tenant: str | None, model_cls, inputs, builder_cls: type[ResponseBuilder]):
         """One OpenAI route: its request model, how it becomes engine inputs, how answers look."""
         self.num_in_flight += 1
         streaming = False
         try:
-            response = await self._openai_response(raw, model_cls, inputs, builder_cls)
+            response = await self._openai_response(raw, tenant, model_cls, inputs, builder_cls)
             streaming = isinstance(response, StreamingResponse)  # its body counts itself out
             return response
         finally:
             if not streaming:
                 self.num_in_flight -= 1
 
-    async def _openai_response(self, raw: Request, model_cls, inputs, builder_cls: type[ResponseBuilder]):
+    async def _openai_response(self, raw: Request, tenant: str | None, model_cls, inputs,
+                               builder_cls: type[ResponseBuilder]):
         try:
             await self._ready()
         except Exception as e:
@@ -337,7 +362,7 @@ class Ingress:
                 body = await self._read_json(raw)
                 request = model_cls.model_validate(body)
                 prompt, messages, params, want_logprobs = inputs(request)
-                first, deltas = await self._submit(prompt, messages, params)
+                first, deltas = await self._submit(prompt, messages, params, tenant)
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"])
@@ -475,33 +500,37 @@ def build_fastapi_app() -> FastAPI:
     @app.exception_handler(Exception)
     async def unexpected_exception(_, exc: Exception):
         status, kind, _, message = _error_kind(exc)
-        return _http_error(status, message, kind)
+        return _http_error(status, message, kind, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
 
     def ingress() -> Ingress:
         return serve.get_replica_context().servable_object
+
+    def tenant(authorization: str | None = Header(None)) -> str | None:
+        """Every route but /health: the caller's tenant, from its key (401 without one)."""
+        return ingress().authenticate(authorization)
 
     @app.get("/health")
     async def health():
         return await ingress().health()
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(tenant)])
     async def models():
         return await ingress().models()
 
-    @app.get("/v1/pagoda/stats")
+    @app.get("/v1/pagoda/stats", dependencies=[Depends(tenant)])
     async def stats():
         return await ingress().stats()
 
-    @app.get("/v1/pagoda/status")
+    @app.get("/v1/pagoda/status", dependencies=[Depends(tenant)])
     async def status():
         return await ingress().status()
 
     @app.post("/v1/completions")
-    async def completions(raw: Request):
-        return await ingress().completions(raw)
+    async def completions(raw: Request, caller: str | None = Depends(tenant)):
+        return await ingress().completions(raw, caller)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(raw: Request):
-        return await ingress().chat_completions(raw)
+    async def chat_completions(raw: Request, caller: str | None = Depends(tenant)):
+        return await ingress().chat_completions(raw, caller)
 
     return app

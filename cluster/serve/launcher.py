@@ -4,6 +4,7 @@ the same path."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from cluster.serve.app import GRPC_SERVICERS, build_app, check_app_args, max_pen
 from cluster.serve.placement import check_fit, cluster_nodes
 from cluster.serve.front_door import FrontDoor
 
+logger = logging.getLogger("pagoda.launcher")
 APP_NAME = "pagoda"
 PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
 _drain_signal = None  # the DrainSignal actor lives as long as this handle (owned by this driver)
@@ -43,12 +45,14 @@ def start(
     ready_timeout_s: float = 300.0,
     metrics_port: int | None = None,
 ) -> dict:
-    """Deploys and blocks until /health answers; returns the model info. Ray stays up."""
+    """Deploys and blocks until /health answers; returns {"id": the served model's name}. Ray stays up."""
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     config, prefill_engine, decode_engine = check_app_args(app_args)
+    if not config.api_keys_file:
+        logger.warning("no API keys (--api-keys / api_keys_file): the server answers anyone who can reach it")
     # Autoscaled replicas report their engine's queue and KV use every 2 s (Ray's default, 10 s,
     # makes the policy see a burst late). The replicas of a local cluster inherit this environment.
     os.environ.setdefault(PUSH_INTERVAL_ENV, "2")
@@ -82,8 +86,9 @@ def start(
     deadline = time.monotonic() + ready_timeout_s
     while True:
         try:
-            if requests.get(f"{base}/health", timeout=30).status_code == 200:
-                return requests.get(f"{base}/v1/models", timeout=30).json()["data"][0]
+            health = requests.get(f"{base}/health", timeout=30)
+            if health.status_code == 200:
+                return {"id": health.json()["model"]}
         except requests.RequestException:
             pass
         if time.monotonic() > deadline:

@@ -56,6 +56,9 @@ class GenerationRequest:
     # Images or audio clips in the order of their placeholders in the prompt: with embeddings when
     # an EncoderServer encoded them, else the processor's output, encoded by this server's engine.
     media: list[MediaItem] = field(default_factory=list)
+    # Who asks (from the API key, on the server): salts the KV block hashes, so that KV is shared
+    # only within a tenant. None on an open server.
+    tenant: str | None = None
 
     @property
     def prompt(self) -> str:
@@ -333,7 +336,8 @@ class LLMServer:
                 _, request_id, request, stream, export_kv, prefilled = message
                 try:
                     ready = self.engine.add_request(request_id, request.prompt_token_ids, request.params,
-                                                    media=request.media, export_kv=export_kv, prefilled=prefilled)
+                                                    salt=request.tenant, media=request.media,
+                                                    export_kv=export_kv, prefilled=prefilled)
                 except Exception as e:  # invalid input: the caller gets the error, the loop goes on
                     stream.put(e)
                     continue
