@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/inference.proto\x12\tpagoda.v1\"C\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x12\x0f\n\x05\x61udio\x18\x03 \x01(\x0cH\x00\x42\t\n\x07\x63ontent\"7\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1e\n\x05parts\x18\x02 \x03(\x0b\x32\x0f.pagoda.v1.Part\"\xae\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x0e\n\x01n\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\x88\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.pagoda.v1.Message\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.pagoda.v1.TopLogprob\"\x9b\x01\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x87\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nmodalities\x18\x06 \x03(\t\"\x0f\n\rHealthRequest\"1\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t2\xd7\x01\n\tInference\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.pagoda.v1.GetModelInfoRequest\x1a\x14.pagoda.v1.ModelInfo\x12=\n\x06Health\x12\x18.pagoda.v1.HealthRequest\x1a\x19.pagoda.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/inference.proto\x12\tpagoda.v1\"C\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x12\x0f\n\x05\x61udio\x18\x03 \x01(\x0cH\x00\x42\t\n\x07\x63ontent\"7\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1e\n\x05parts\x18\x02 \x03(\x0b\x32\x0f.pagoda.v1.Part\"\xae\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x0e\n\x01n\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\x9c\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.pagoda.v1.Message\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.pagoda.v1.TopLogprob\"\xb2\x01\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x87\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nmodalities\x18\x06 \x03(\t\"\x0f\n\rHealthRequest\"1\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t2\xd7\x01\n\tInference\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.pagoda.v1.GetModelInfoRequest\x1a\x14.pagoda.v1.ModelInfo\x12=\n\x06Health\x12\x18.pagoda.v1.HealthRequest\x1a\x19.pagoda.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,21 +38,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=164
   _globals['_SAMPLINGPARAMS']._serialized_end=466
   _globals['_GENERATEREQUEST']._serialized_start=469
-  _globals['_GENERATEREQUEST']._serialized_end=605
-  _globals['_TOPLOGPROB']._serialized_start=607
-  _globals['_TOPLOGPROB']._serialized_end=654
-  _globals['_TOKENLOGPROB']._serialized_start=656
-  _globals['_TOKENLOGPROB']._serialized_end=741
-  _globals['_GENERATERESPONSE']._serialized_start=744
-  _globals['_GENERATERESPONSE']._serialized_end=899
-  _globals['_GETMODELINFOREQUEST']._serialized_start=901
-  _globals['_GETMODELINFOREQUEST']._serialized_end=922
-  _globals['_MODELINFO']._serialized_start=925
-  _globals['_MODELINFO']._serialized_end=1060
-  _globals['_HEALTHREQUEST']._serialized_start=1062
-  _globals['_HEALTHREQUEST']._serialized_end=1077
-  _globals['_HEALTHRESPONSE']._serialized_start=1079
-  _globals['_HEALTHRESPONSE']._serialized_end=1128
-  _globals['_INFERENCE']._serialized_start=1131
-  _globals['_INFERENCE']._serialized_end=1346
+  _globals['_GENERATEREQUEST']._serialized_end=625
+  _globals['_TOPLOGPROB']._serialized_start=627
+  _globals['_TOPLOGPROB']._serialized_end=674
+  _globals['_TOKENLOGPROB']._serialized_start=676
+  _globals['_TOKENLOGPROB']._serialized_end=761
+  _globals['_GENERATERESPONSE']._serialized_start=764
+  _globals['_GENERATERESPONSE']._serialized_end=942
+  _globals['_GETMODELINFOREQUEST']._serialized_start=944
+  _globals['_GETMODELINFOREQUEST']._serialized_end=965
+  _globals['_MODELINFO']._serialized_start=968
+  _globals['_MODELINFO']._serialized_end=1103
+  _globals['_HEALTHREQUEST']._serialized_start=1105
+  _globals['_HEALTHREQUEST']._serialized_end=1120
+  _globals['_HEALTHRESPONSE']._serialized_start=1122
+  _globals['_HEALTHRESPONSE']._serialized_end=1171
+  _globals['_INFERENCE']._serialized_start=1174
+  _globals['_INFERENCE']._serialized_end=1389
 # @@protoc_insertion_point(module_scope)

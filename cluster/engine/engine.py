@@ -192,6 +192,7 @@ class LLMEngine:
         if prefilled.generator_state is not None and request.request_id in self._generators:
             self._generators[request.request_id].set_state(prefilled.generator_state)
         self.kv_connector.on_add(request, imported=prefilled.kv_parts)
+        request.num_cached_tokens = prefilled.num_cached_tokens
         delta = self._append(request, SampledToken(prefilled.token_id, prefilled.logprobs))
         if not request.is_finished:
             self.scheduler.add(request)
@@ -325,7 +326,8 @@ class LLMEngine:
             if exported is not None:
                 generator = self._generators.get(request.request_id)
                 prefilled = PrefillResult(token.token_id, token.logprobs, exported,
-                                          generator.get_state() if generator is not None else None)
+                                          generator.get_state() if generator is not None else None,
+                                          request.num_cached_tokens)
             if request.status != RequestStatus.WAITING:  # a prefilled first token may end it unqueued
                 self.scheduler.finish(request, request.finish_reason)
             else:
@@ -341,6 +343,7 @@ class LLMEngine:
             new_logprobs=[token.logprobs] if token.logprobs is not None else [],
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
             prefilled=prefilled,
         )
 

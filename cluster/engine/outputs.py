@@ -18,6 +18,7 @@ class PrefillResult:
     logprobs: TokenLogprobs | None
     kv_parts: list[KVPart]
     generator_state: object | None  # a seeded request's generator after the first sample
+    num_cached_tokens: int = 0  # of the prompt, found in the prefill engine's prefix cache
 
     @property
     def kv_bytes(self) -> int:
@@ -35,6 +36,7 @@ class RequestDelta:
     new_logprobs: list[TokenLogprobs]
     finish_reason: str | None
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
     prefilled: PrefillResult | None = None  # set on the last delta of a request that exported KV
     error: str | None = None  # why the request failed (finish_reason "error")
 

@@ -48,6 +48,9 @@ class Request:
     media_segments: list[MediaSegment] = field(default_factory=list)  # which positions take which rows
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # prompt tokens whose KV came from the prefix cache (device memory or a lower tier) when the
+    # request was first admitted, or from the prefill engine's count (disaggregated)
+    num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -110,6 +110,8 @@ class Scheduler:
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
             self.kv_connector.on_admitted(request.request_id, restore, num_device_tokens=num_cached)
             self.waiting.popleft()
+            if request.num_preemptions == 0 and not request.num_cached_tokens:
+                request.num_cached_tokens = min(num_ready, request.num_prompt_tokens)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
             self.running.append(request)

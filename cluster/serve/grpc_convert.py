@@ -70,6 +70,7 @@ def response(delta: RequestDelta) -> pb.GenerateResponse:
         token_ids=delta.new_token_ids,
         finish_reason=delta.finish_reason or "",
         prompt_tokens=delta.num_prompt_tokens,
+        cached_tokens=delta.num_cached_tokens,
         logprobs=[
             pb.TokenLogprob(
                 token_id=lp.token_id, logprob=lp.logprob,

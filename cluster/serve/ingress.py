@@ -177,7 +177,8 @@ class Ingress:
         if self._front_door is not None:
             self._front_door.set_full(self.num_pending_requests >= self.max_pending_requests)
 
-    async def _submit(self, prompt, messages, params, tenant: str | None, timeout_s: float | None = None):
+    async def _submit(self, prompt, messages, params, tenant: str | None, cache_salt: str | None = None,
+                      timeout_s: float | None = None):
         """Check the limits, tokenize (and for a multimodal model decode and process its media,
         encoded by the EncoderServer where there is one), and start streaming deltas. The first
         delta is awaited here, so errors that happen before any output (overload, bad input) raise
@@ -196,7 +197,7 @@ class Ingress:
             self._media_metrics.record_items(media)
             if self.encoder_server is not None:
                 media = await self.encoder_server.encode.remote(media)
-        request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s, media, tenant)
+        request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s, media, tenant, cache_salt)
         deltas = _cancel_when_abandoned(self.llm.options(stream=True).generate.remote(request))
         # After a last delta the stream simply ends, so callers iterate `deltas` as is.
         return await deltas.__anext__(), deltas
@@ -212,7 +213,7 @@ class Ingress:
                     self._check_size(request.ByteSize())
                     prompt, messages = grpc_convert.prompt_or_messages(request)
                     params = grpc_convert.grpc_sampling_params(request.sampling)
-                    first, deltas = await self._submit(prompt, messages, params, tenant)
+                    first, deltas = await self._submit(prompt, messages, params, tenant, request.cache_salt or None)
             except Exception as e:
                 self._set_grpc_error(grpc_context, e)
                 raise
@@ -362,7 +363,7 @@ class Ingress:
                 body = await self._read_json(raw)
                 request = model_cls.model_validate(body)
                 prompt, messages, params, want_logprobs = inputs(request)
-                first, deltas = await self._submit(prompt, messages, params, tenant)
+                first, deltas = await self._submit(prompt, messages, params, tenant, request.cache_salt or None)
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"])

@@ -56,9 +56,16 @@ class GenerationRequest:
     # Images or audio clips in the order of their placeholders in the prompt: with embeddings when
     # an EncoderServer encoded them, else the processor's output, encoded by this server's engine.
     media: list[MediaItem] = field(default_factory=list)
-    # Who asks (from the API key, on the server): salts the KV block hashes, so that KV is shared
-    # only within a tenant. None on an open server.
+    # Who asks (from the API key, on the server; None on an open server), and the client's own
+    # cache_salt: both salt the KV block hashes, so KV is shared only within a tenant and a salt.
     tenant: str | None = None
+    cache_salt: str | None = None
+
+    @property
+    def salt(self) -> str | None:
+        if self.tenant is None and self.cache_salt is None:
+            return None
+        return f"{self.tenant or ''}\0{self.cache_salt or ''}"
 
     @property
     def prompt(self) -> str:
@@ -336,7 +343,7 @@ class LLMServer:
                 _, request_id, request, stream, export_kv, prefilled = message
                 try:
                     ready = self.engine.add_request(request_id, request.prompt_token_ids, request.params,
-                                                    salt=request.tenant, media=request.media,
+                                                    salt=request.salt, media=request.media,
                                                     export_kv=export_kv, prefilled=prefilled)
                 except Exception as e:  # invalid input: the caller gets the error, the loop goes on
                     stream.put(e)

@@ -35,6 +35,7 @@ class _CommonRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = Field(None, description="vLLM extension: KV is shared only among requests with the same salt")
 
 
 class CompletionRequest(_CommonRequest):
@@ -141,11 +142,12 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 
@@ -166,6 +168,7 @@ class ResponseBuilder:
         self.finish_reasons: list[str | None] = [None] * n
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
         self.num_completion_tokens = 0
 
     def add(self, delta: RequestDelta) -> None:
@@ -173,6 +176,7 @@ class ResponseBuilder:
         self.finish_reasons[delta.index] = delta.finish_reason
         self.logprobs[delta.index] += delta.new_logprobs
         self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
         self.num_completion_tokens += len(delta.new_token_ids)
 
     def chunk(self, delta: RequestDelta, want_logprobs: bool) -> dict:
@@ -184,7 +188,10 @@ class ResponseBuilder:
 
     def usage_chunk(self) -> dict:
         return {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model,
-                "choices": [], "usage": usage(self.num_prompt_tokens, self.num_completion_tokens)}
+                "choices": [], "usage": self.usage()}
+
+    def usage(self) -> dict:
+        return usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
 
     def final(self, want_logprobs: bool) -> dict:
         choices = [{"index": i, **self._final_choice(text), "finish_reason": self.finish_reasons[i],
@@ -192,7 +199,7 @@ class ResponseBuilder:
                    for i, text in enumerate(self.texts)]
         return {
             "id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
-            "choices": choices, "usage": usage(self.num_prompt_tokens, self.num_completion_tokens),
+            "choices": choices, "usage": self.usage(),
         }
 
     def _chunk_choice(self, delta: RequestDelta) -> dict:

@@ -1,6 +1,6 @@
 """API keys over the real server (a Serve application of its own on the session's cluster, with a
 keys file of two tenants): every route and method but health refuses a missing or wrong key with
-401 / UNAUTHENTICATED, and one tenant's cached prompt gives the other no prefix-cache hit."""
+401 / UNAUTHENTICATED, and KV is shared only within a tenant (and a client's cache_salt)."""
 
 from __future__ import annotations
 
@@ -72,18 +72,23 @@ def test_grpc_methods_need_a_tenants_key(keyed_app):
         assert call(keyed_app["metadata"] + (("authorization", f"Bearer {KEY_B}"),))
 
 
-def test_a_tenants_cached_prompt_is_no_hit_for_another(keyed_app):
+def test_kv_is_shared_within_a_tenant_and_a_cache_salt_only(keyed_app):
+    """Cache hits as OpenAI reports them (usage.prompt_tokens_details.cached_tokens) and as gRPC
+    does (cached_tokens): A's document is no hit for B, nor for A with another cache_salt."""
     prompt = "Pagoda keeps each tenant's KV to itself. " * 12  # ~120 tokens: 7 full blocks
 
-    def hit_tokens_after(key: str) -> int:
-        r = http(keyed_app, "POST", "/v1/completions", key, json={"prompt": prompt, "max_tokens": 1})
-        assert r.status_code == 200
-        return http(keyed_app, "GET", "/v1/pagoda/stats", key).json()["prefix_cache_hit_tokens"]
+    def cached(key: str, **extra) -> int:
+        r = http(keyed_app, "POST", "/v1/completions", key, json={"prompt": prompt, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    start = http(keyed_app, "GET", "/v1/pagoda/stats", KEY_A).json()["prefix_cache_hit_tokens"]
-    first_a = hit_tokens_after(KEY_A)
-    assert first_a == start
-    first_b = hit_tokens_after(KEY_B)
-    assert first_b == first_a  # B shares nothing with A
-    again_a = hit_tokens_after(KEY_A)
-    assert again_a - first_b >= 6 * 16  # A's own blocks
+    assert cached(KEY_A) == 0
+    assert cached(KEY_B) == 0  # B shares nothing with A
+    assert cached(KEY_A, cache_salt="mine") == 0
+    hit = cached(KEY_A)
+    assert hit >= 6 * 16 and hit % 16 == 0  # A's own full blocks
+    assert cached(KEY_A, cache_salt="mine") == hit
+    request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=1, temperature=0))
+    auth = keyed_app["metadata"] + (("authorization", f"Bearer {KEY_B}"),)
+    [response] = keyed_app["stub"].Generate(request, metadata=auth, timeout=120)
+    assert response.cached_tokens == hit and response.prompt_tokens > hit
