@@ -54,6 +54,7 @@ from cluster.serve.openai_protocol import (
     ResponseBuilder,
     chat_messages,
     error_body,
+    refuse_unsupported,
     openai_sampling_params,
 )
 from model.multimodal import MultimodalSpec
@@ -361,6 +362,7 @@ class Ingress:
         try:
             with self._admission():
                 body = await self._read_json(raw)
+                refuse_unsupported(body)
                 request = model_cls.model_validate(body)
                 prompt, messages, params, want_logprobs = inputs(request)
                 first, deltas = await self._submit(prompt, messages, params, tenant, request.cache_salt or None)

@@ -16,6 +16,25 @@ from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 
 
+# OpenAI / vLLM fields that change what is generated and that Pagoda does not do (yet): a request
+# that sets one to anything but its no-op value is refused naming it, not answered as if it had not.
+UNSUPPORTED_FIELDS = {
+    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {}, "min_p": 0,
+    "min_tokens": 0, "best_of": 1, "echo": False, "suffix": None, "response_format": None, "tools": None,
+    "tool_choice": None, "functions": None, "function_call": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
+}
+
+
+def refuse_unsupported(body) -> None:
+    """400 naming the first field of UNSUPPORTED_FIELDS set to something other than its no-op."""
+    if not isinstance(body, dict):
+        return
+    for name, no_op in UNSUPPORTED_FIELDS.items():
+        if name in body and body[name] is not None and body[name] != no_op:
+            raise InvalidRequestError(name, "is not supported by this server; leave it out")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 

@@ -272,6 +272,11 @@ def test_overload_is_refused_fast_with_429_and_resource_exhausted(stub, server):
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
          "messages[0].content[0].image_url"),  # a text-only model: media is refused, naming the part
         ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        # generation options this server does not do are refused, not silently dropped
+        ("completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ("completions", {"prompt": "hi", "logit_bias": {"42": 5}}, "logit_bias"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
 def test_http_bad_input_is_400_naming_the_field(server, path, body, param):
@@ -281,6 +286,12 @@ def test_http_bad_input_is_400_naming_the_field(server, path, body, param):
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param or error["message"].startswith(param), error
     assert "Traceback" not in r.text
+
+
+def test_no_op_values_of_unsupported_options_are_accepted(server):
+    body = {"prompt": "hi", "max_tokens": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+            "best_of": 1, "echo": False, "response_format": None}
+    assert requests.post(f"{server['http']}/v1/completions", json=body, timeout=60).status_code == 200
 
 
 def test_http_malformed_json_is_400(server):
