@@ -3,6 +3,7 @@ model server autoscaled (1 to 3 replicas, one per worker node, nodes launched as
 them) against one fixed replica under the same ramp.
 
     python -m benchmarks.autoscaling_ramp [--ramp 1:12:90] [--hold 30] [--fall SECONDS] [--disaggregated]
+                                          [--hold-until-replicas N --max-extra-hold SECONDS]
         [--modes autoscaled,fixed] [--out benchmarks/results/autoscaling_ramp.json] [--plot PNG]
 
 The cluster (cluster/simulated_cluster.py): a head with no CPU for replicas (Serve's controller,
@@ -71,7 +72,8 @@ def status(base: str) -> dict:
     return requests.get(f"{base}/v1/pagoda/status", timeout=60).json()
 
 
-def run_mode(model: str, mode: str, spec, disaggregated: bool, log) -> dict:
+def run_mode(model: str, mode: str, spec, disaggregated: bool, log, hold_until_replicas: int | None = None,
+             max_extra_hold_s: float = 0.0) -> dict:
     """One cluster, one deployment, one ramp; the ramp's result with what happened after it."""
     import ray
 
@@ -92,7 +94,10 @@ def run_mode(model: str, mode: str, spec, disaggregated: bool, log) -> dict:
 
         requests_ = build(tokenizer_spec, AutoTokenizer.from_pretrained(model))
         served_at = time.monotonic()
-        records, samples = asyncio.run(_ramp(base, requests_, spec))
+        # a test's ramp holds until the replicas it checks for serve (a slow host takes longer)
+        hold_until = None if hold_until_replicas is None else (
+            lambda got: any(s.get("replicas", {}).get(server, 0) >= hold_until_replicas for s in got))
+        records, samples, spec = asyncio.run(_ramp(base, requests_, spec, hold_until, max_extra_hold_s))
         result = ramp_module.ramp_result(f"{mode}{' (disaggregated)' if disaggregated else ''}", spec, records, samples)
         result["max_replicas"] = max((s["replicas"].get(server, 0) for s in samples if "replicas" in s), default=0)
         result["max_nodes"] = max((s.get("nodes") or 0 for s in samples), default=0)
@@ -132,12 +137,12 @@ def run_mode(model: str, mode: str, spec, disaggregated: bool, log) -> dict:
         cluster.stop()
 
 
-async def _ramp(base: str, requests_, spec):
+async def _ramp(base: str, requests_, spec, hold_until, max_extra_hold_s: float):
     backend = OpenAIHTTPBackend(base, ignore_eos=True)
     await backend.start()
     try:
-        return await ramp_module.run_ramp(backend, requests_, spec,
-                                          lambda: ramp_module.pagoda_state(status(base)), sample_every_s=2.0)
+        return await ramp_module.run_ramp(backend, requests_, spec, lambda: ramp_module.pagoda_state(status(base)),
+                                          sample_every_s=2.0, hold_until=hold_until, max_extra_hold_s=max_extra_hold_s)
     finally:
         await backend.close()
 
@@ -185,6 +190,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ramp", default="1:12:90", help="LOW:HIGH:SECONDS users (then back down)")
     parser.add_argument("--hold", type=float, default=30.0, help="seconds at HIGH")
+    parser.add_argument("--hold-until-replicas", type=int, default=None,
+                        help="hold at HIGH past --hold until this many model server replicas run ...")
+    parser.add_argument("--max-extra-hold", type=float, default=0.0, help="... for at most this many seconds more")
     parser.add_argument("--fall", type=float, default=None, help="seconds back down to LOW (default: as the rise; 0: stop)")
     parser.add_argument("--window", type=float, default=10.0, help="timeline window, seconds")
     parser.add_argument("--disaggregated", action="store_true", help="autoscale the decode side of a disaggregated app")
@@ -195,7 +203,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     spec = ramp_module.RampSpec.parse(args.ramp, hold_s=args.hold, window_s=args.window, fall_s=args.fall)
     model = default_model(args.model)
-    results = [run_mode(model, mode, spec, args.disaggregated, log=lambda m: print(m, file=sys.stderr))
+    results = [run_mode(model, mode, spec, args.disaggregated, log=lambda m: print(m, file=sys.stderr),
+                        hold_until_replicas=args.hold_until_replicas, max_extra_hold_s=args.max_extra_hold)
                for mode in args.modes.split(",")]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results))

@@ -79,7 +79,7 @@ def run_ramp_bench(target: str, spec: workloads.WorkloadSpec, ramp_spec, *, labe
         finally:
             await backend.close()
 
-    records, samples = asyncio.run(go())
+    records, samples, ramp_spec = asyncio.run(go())
     result = ramp.ramp_result(label or target, ramp_spec, records, samples)
     failed = sum(not r.ok for r in records)
     log(f"{label or target} ramp {ramp_spec.low}->{ramp_spec.high} users over {ramp_spec.rise_s:.0f} s: "

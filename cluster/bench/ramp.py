@@ -11,6 +11,7 @@ TPOT percentiles of the requests that started in the window, replicas, nodes, qu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -63,16 +64,45 @@ class RampSpec:
         return self.low + round(share * (self.high - self.low))
 
 
-async def run_ramp(backend, requests: list[BenchRequest], spec: RampSpec, sample=None, sample_every_s: float = 2.0):
-    """Drives the ramp; returns (records, samples). `sample()` (blocking, run in a thread) returns
-    the target's state as a dict; each sample gets its time `t` (seconds into the ramp)."""
-    start = time.perf_counter()
+class _RampClock:
+    """Time into the ramp: wall time, except that at the end of the hold it stands still while
+    `hold_until(samples)` is false, for at most `max_extra_hold_s` (then the ramp goes on)."""
+
+    def __init__(self, spec: RampSpec, samples: list[dict], hold_until, max_extra_hold_s: float):
+        self.start = time.perf_counter()
+        self.hold_end = spec.rise_s + spec.hold_s
+        self.samples, self.hold_until, self.max_extra_hold_s = samples, hold_until, max_extra_hold_s
+        self.extra_hold_s = 0.0
+        self.holding = hold_until is not None
+
+    def now(self) -> float:
+        t = time.perf_counter() - self.start - self.extra_hold_s
+        # stands a hair before the hold's end: still in the hold, even for a ramp that ends there
+        stand = self.hold_end - 1e-6
+        if self.holding and t > stand:
+            if self.hold_until(self.samples) or self.extra_hold_s + (t - stand) >= self.max_extra_hold_s:
+                self.holding = False
+            else:
+                self.extra_hold_s += t - stand
+                t = stand
+        return t
+
+
+async def run_ramp(backend, requests: list[BenchRequest], spec: RampSpec, sample=None, sample_every_s: float = 2.0,
+                   hold_until=None, max_extra_hold_s: float = 0.0):
+    """Drives the ramp; returns (records, samples, the ramp as run). `sample()` (blocking, run in
+    a thread) returns the target's state as a dict; each sample gets its time `t` (seconds into the
+    ramp). `hold_until(samples)`: the hold lasts until it is true (at least `spec.hold_s`, at most
+    `max_extra_hold_s` more), e.g. until the replicas a test waits for serve, whatever the host's
+    speed; the ramp as run has the hold it got."""
     records: list[RequestRecord] = []
     samples: list[dict] = []
+    clock = _RampClock(spec, samples, hold_until, max_extra_hold_s)
+    start = clock.start
     next_request = iter(range(10**9))
 
     async def user(i: int) -> None:
-        while (t := time.perf_counter() - start) < spec.duration_s:
+        while (t := clock.now()) < spec.duration_s:
             if i >= spec.users_at(t):
                 await asyncio.sleep(0.2)
                 continue
@@ -85,7 +115,8 @@ async def run_ramp(backend, requests: list[BenchRequest], spec: RampSpec, sample
                 record.error = type(e).__name__
 
     async def sampler() -> None:
-        while (t := time.perf_counter() - start) < spec.duration_s:
+        while clock.now() < spec.duration_s:
+            t = time.perf_counter() - start
             try:
                 state = await asyncio.to_thread(sample)
             except Exception as e:  # noqa: BLE001 - a missed sample is a gap in the timeline
@@ -98,7 +129,7 @@ async def run_ramp(backend, requests: list[BenchRequest], spec: RampSpec, sample
     for record in records:
         record.start -= start  # seconds into the ramp, like the samples
         record.chunk_times = [c - start for c in record.chunk_times]
-    return records, samples
+    return records, samples, dataclasses.replace(spec, hold_s=spec.hold_s + clock.extra_hold_s)
 
 
 def timeline(records: list[RequestRecord], samples: list[dict], spec: RampSpec) -> list[dict]:

@@ -59,7 +59,8 @@ def test_the_users_follow_the_ramp_and_the_timeline_counts_them():
         samples_taken.append(backend.in_flight)
         return {"replicas": {"LLMServer": 1}, "nodes": 2, "waiting": 0}
 
-    records, samples = asyncio.run(run_ramp(backend, requests, spec, sample, sample_every_s=0.25))
+    records, samples, as_run = asyncio.run(run_ramp(backend, requests, spec, sample, sample_every_s=0.25))
+    assert as_run == spec
     assert max(backend.most) == 4 and all(r.ok for r in records) and len(samples) >= 4
     rows = timeline(records, samples, spec)
     assert [row["users"] for row in rows] == [spec.users_at(0.25), spec.users_at(0.75), spec.users_at(1.25), spec.users_at(1.75)]
@@ -72,3 +73,26 @@ def test_pagoda_state_reads_the_status_report():
     status = {"deployments": {"Ingress": {"replicas": {"RUNNING": 1}}, "LLMServer": {"replicas": {"RUNNING": 2, "STARTING": 1}}},
               "groups": [{"stats": {"num_waiting": 3}}, {"stats": {"num_waiting": 4}}], "nodes": 3}
     assert pagoda_state(status) == {"replicas": {"Ingress": 1, "LLMServer": 2}, "nodes": 3, "waiting": 7}
+
+
+def test_the_hold_waits_for_the_target_within_its_cap():
+    """hold_until: the hold goes on past hold_s until the samples say so (here: the third one),
+    and the ramp as run says how long it held; a target that never gets there stops at the cap."""
+    backend = CountingBackend()
+    requests = [BenchRequest(prompt="p", messages=None, max_tokens=3)]
+    spec = RampSpec(2, 2, rise_s=0.2, hold_s=0.2, fall_s=0)
+    count = iter(range(100))
+
+    def sample():
+        return {"replicas": {"LLMServer": 1 + (next(count) >= 6)}}
+
+    def three_replicas_seen(samples):
+        return any(s.get("replicas", {}).get("LLMServer") == 2 for s in samples)
+
+    records, samples, as_run = asyncio.run(run_ramp(backend, requests, spec, sample, sample_every_s=0.1,
+                                                    hold_until=three_replicas_seen, max_extra_hold_s=5))
+    assert three_replicas_seen(samples) and 0.3 < as_run.hold_s < 1.5
+    assert max(r.start for r in records) < as_run.duration_s + 0.1
+    _, _, capped = asyncio.run(run_ramp(backend, requests, spec, lambda: {}, sample_every_s=0.1,
+                                        hold_until=three_replicas_seen, max_extra_hold_s=0.3))
+    assert 0.2 < capped.hold_s - spec.hold_s <= 0.3 + 1e-3  # the cap, less at most one look at the clock
