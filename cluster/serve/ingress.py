@@ -45,7 +45,7 @@ from cluster.serve.front_door import FrontDoorFlag
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.metrics import MediaMetrics
-from cluster.serve.tenants import KeyRing, UnauthenticatedError, bearer_key
+from cluster.serve.tenants import ForbiddenError, KeyRing, UnauthenticatedError, bearer_key
 from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
     ChatResponseBuilder,
@@ -76,6 +76,8 @@ def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
     cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the original as .cause
     if isinstance(cause, UnauthenticatedError):
         return 401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED, str(cause)
+    if isinstance(cause, ForbiddenError):
+        return 403, "permission_error", grpc.StatusCode.PERMISSION_DENIED, str(cause)
     if isinstance(cause, RequestTooLargeError):
         return 413, "invalid_request_error", grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause)
     if isinstance(cause, UnsupportedMediaTypeError):
@@ -104,9 +106,9 @@ def _field(exc: BaseException) -> str | None:
 class Ingress:
     def __init__(self, llm_server, model_name: str | None = None, limits: dict | None = None,
                  max_pending_requests: int = 256, front_door_dir: str | None = None, encoder_server=None,
-                 api_keys: dict[str, list[str]] | None = None):
+                 api_keys: dict[str, dict] | None = None):
         self.llm = llm_server  # DeploymentHandle to LLMServer
-        # tenant -> SHA-256 digests of its keys (cluster/serve/tenants.py); None: an open server
+        # tenants and their keys' SHA-256 digests (cluster/serve/tenants.py); None: an open server
         self._keys = KeyRing(api_keys) if api_keys else None
         # DeploymentHandle to an EncoderServer (encoder: deployment): media is encoded there before
         # the LLMServer sees the request; None: the LLMServer's engine encodes it (colocated).
@@ -152,6 +154,12 @@ class Ingress:
         if self._keys is None:
             return None
         return self._keys.tenant(bearer_key(authorization))
+
+    def authenticate_admin(self, authorization: str | None) -> str | None:
+        """As `authenticate`, for an admin's key (403 for another tenant's)."""
+        if self._keys is None:
+            return None
+        return self._keys.admin(bearer_key(authorization))
 
     def _authenticate_grpc(self, grpc_context) -> str | None:
         metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
@@ -500,10 +508,18 @@ def build_fastapi_app() -> FastAPI:
     async def validation_exception(_, exc: RequestValidationError):
         return _http_error(422, str(exc.errors()[0].get("msg", "invalid request")), "invalid_request_error")
 
+    # A refused key is answered here (Starlette's handler for a class of its own), not by the
+    # catch-all below, which Starlette re-raises after answering: Serve would log a traceback for
+    # every request without a key.
+    @app.exception_handler(PermissionError)
+    async def refused_key(_, exc: PermissionError):
+        status, kind, _, message = _error_kind(exc)
+        return _http_error(status, message, kind, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
     @app.exception_handler(Exception)
     async def unexpected_exception(_, exc: Exception):
         status, kind, _, message = _error_kind(exc)
-        return _http_error(status, message, kind, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+        return _http_error(status, message, kind)
 
     def ingress() -> Ingress:
         return serve.get_replica_context().servable_object
@@ -511,6 +527,10 @@ def build_fastapi_app() -> FastAPI:
     def tenant(authorization: str | None = Header(None)) -> str | None:
         """Every route but /health: the caller's tenant, from its key (401 without one)."""
         return ingress().authenticate(authorization)
+
+    def admin(authorization: str | None = Header(None)) -> str | None:
+        """The cluster's internals (pids, node addresses): an admin's key (403 for a tenant's)."""
+        return ingress().authenticate_admin(authorization)
 
     @app.get("/health")
     async def health():
@@ -524,7 +544,7 @@ def build_fastapi_app() -> FastAPI:
     async def stats():
         return await ingress().stats()
 
-    @app.get("/v1/pagoda/status", dependencies=[Depends(tenant)])
+    @app.get("/v1/pagoda/status", dependencies=[Depends(admin)])
     async def status():
         return await ingress().status()
 

@@ -4,6 +4,7 @@
       tenants:
         team-a: {keys: ["sk-a-...", "sha256:9f86d0..."], weight: 2}
         team-b: {keys: ["sha256:..."]}
+        ops: {keys: ["sha256:..."], admin: true}    # may read /v1/pagoda/status (pids, addresses)
 
 `pagoda serve --api-keys FILE` (or `api_keys_file:` in the Serve config) reads it once, when the
 app is built, and hands the ingress only SHA-256 digests (plain keys never reach Serve's config or
@@ -30,11 +31,16 @@ class UnauthenticatedError(PermissionError):
     """No key, or a key of no tenant (401 / UNAUTHENTICATED)."""
 
 
+class ForbiddenError(PermissionError):
+    """A tenant's key where an admin's is needed (403 / PERMISSION_DENIED)."""
+
+
 class TenantConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     keys: list[str] = Field(min_length=1, description='API keys: plain, or "sha256:HEX" of the key')
     weight: float = Field(1.0, gt=0, description="share of the engine under contention, against other tenants")
+    admin: bool = Field(False, description="may read the cluster's internals (/v1/pagoda/status)")
 
     @field_validator("keys")
     @classmethod
@@ -59,8 +65,9 @@ class TenantsFile(BaseModel):
     tenants: dict[str, TenantConfig] = Field(min_length=1)
 
 
-def load_keys_file(path: str | Path) -> dict[str, list[str]]:
-    """Tenant -> key digests, from a keys file; ValueError naming the file and what is wrong."""
+def load_keys_file(path: str | Path) -> dict[str, dict]:
+    """Tenant -> {"digests": its keys' SHA-256 digests, "admin": bool}, from a keys file;
+    ValueError naming the file and what is wrong."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
         tenants = TenantsFile.model_validate(raw).tenants
@@ -73,14 +80,15 @@ def load_keys_file(path: str | Path) -> dict[str, list[str]]:
         for digest in tenant.digests():
             if owners.setdefault(digest, name) != name:
                 raise ValueError(f"API keys file {path}: one key belongs to both {owners[digest]} and {name}")
-    return {name: tenant.digests() for name, tenant in tenants.items()}
+    return {name: {"digests": tenant.digests(), "admin": tenant.admin} for name, tenant in tenants.items()}
 
 
 class KeyRing:
-    """Which tenant a presented key belongs to (built from `load_keys_file`'s digests)."""
+    """Which tenant a presented key belongs to (built from what `load_keys_file` returns)."""
 
-    def __init__(self, digests: dict[str, list[str]]):
-        self._entries = [(bytes.fromhex(d), tenant) for tenant, ds in digests.items() for d in ds]
+    def __init__(self, tenants: dict[str, dict]):
+        self._entries = [(bytes.fromhex(d), name) for name, t in tenants.items() for d in t["digests"]]
+        self._admins = {name for name, t in tenants.items() if t["admin"]}
 
     def tenant(self, presented: str | None) -> str:
         if not presented:
@@ -93,6 +101,13 @@ class KeyRing:
         if found is None:
             raise UnauthenticatedError("the API key is not valid")
         return found
+
+    def admin(self, presented: str | None) -> str:
+        """The tenant, which must be an admin."""
+        tenant = self.tenant(presented)
+        if tenant not in self._admins:
+            raise ForbiddenError("this needs an admin's API key")
+        return tenant
 
 
 def bearer_key(header: str | None) -> str | None:

@@ -22,7 +22,7 @@ WRONG = "sk-nobody-0000000000"
 @pytest.fixture(scope="module")
 def keyed_app(server, model_dir, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "tenants.yaml"
-    keys.write_text(f"tenants:\n  a: {{keys: [{KEY_A}]}}\n"
+    keys.write_text(f"tenants:\n  a: {{keys: [{KEY_A}], admin: true}}\n"
                     f"  b: {{keys: ['sha256:{hashlib.sha256(KEY_B.encode()).hexdigest()}']}}\n")
     with deployed({**server, "model_dir": model_dir}, "keyed", "/keyed", api_keys_file=str(keys)) as app:
         yield app
@@ -33,7 +33,7 @@ def http(app, method: str, path: str, key: str | None, **kwargs) -> requests.Res
     return requests.request(method, f"{app['http']}{path}", headers=headers, timeout=120, **kwargs)
 
 
-ROUTES = [("GET", "/v1/models", {}), ("GET", "/v1/pagoda/stats", {}), ("GET", "/v1/pagoda/status", {}),
+ROUTES = [("GET", "/v1/models", {}), ("GET", "/v1/pagoda/stats", {}),
           ("POST", "/v1/completions", {"json": {"prompt": "Hi", "max_tokens": 1}}),
           ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}})]
 
@@ -49,6 +49,30 @@ def test_every_http_route_needs_a_tenants_key(keyed_app, method, path, kwargs):
     assert r.status_code == 401
     for key in (KEY_A, KEY_B):
         assert http(keyed_app, method, path, key, **kwargs).status_code == 200
+
+
+def test_refused_keys_leave_no_traceback_in_the_logs(keyed_app):
+    """A flood of requests without a key must not flood the replica's log with stack traces."""
+    import glob
+    import os
+
+    for _ in range(3):
+        assert http(keyed_app, "GET", "/v1/models", WRONG).status_code == 401
+    logs = glob.glob(os.path.join(_session_dir(), "logs", "serve", "replica_keyed_Ingress_*.log"))
+    assert logs and not any("Traceback" in open(path).read() for path in logs)
+
+
+def _session_dir() -> str:
+    import ray
+
+    return ray._private.worker._global_node.get_session_dir_path()
+
+
+def test_status_needs_an_admins_key(keyed_app):
+    assert http(keyed_app, "GET", "/v1/pagoda/status", KEY_A).status_code == 200
+    r = http(keyed_app, "GET", "/v1/pagoda/status", KEY_B)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    assert http(keyed_app, "GET", "/v1/pagoda/status", None).status_code == 401
 
 
 def test_health_needs_no_key(keyed_app):

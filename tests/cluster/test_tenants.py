@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from cluster.serve.tenants import KeyRing, UnauthenticatedError, bearer_key, load_keys_file
+from cluster.serve.tenants import ForbiddenError, KeyRing, UnauthenticatedError, bearer_key, load_keys_file
 
 KEY_A = "sk-team-a-0123456789"
 KEY_B = "sk-team-b-9876543210"
@@ -18,8 +18,12 @@ def write(tmp_path, text: str):
 
 def test_keys_plain_or_hashed_name_their_tenant(tmp_path):
     hashed_b = "sha256:" + hashlib.sha256(KEY_B.encode()).hexdigest().upper()
-    ring = KeyRing(load_keys_file(write(tmp_path, f"tenants:\n  a: {{keys: [{KEY_A}]}}\n  b: {{keys: ['{hashed_b}'], weight: 2}}\n")))
+    ring = KeyRing(load_keys_file(write(tmp_path, f"tenants:\n  a: {{keys: [{KEY_A}], admin: true}}\n"
+                                                  f"  b: {{keys: ['{hashed_b}'], weight: 2}}\n")))
     assert ring.tenant(KEY_A) == "a" and ring.tenant(KEY_B) == "b"
+    assert ring.admin(KEY_A) == "a"
+    with pytest.raises(ForbiddenError):
+        ring.admin(KEY_B)
     for wrong in (KEY_A + "x", KEY_A[:-1], hashed_b, ""):
         with pytest.raises(UnauthenticatedError):
             ring.tenant(wrong)
@@ -29,7 +33,7 @@ def test_keys_plain_or_hashed_name_their_tenant(tmp_path):
 
 def test_the_file_never_hands_plain_keys_on(tmp_path):
     digests = load_keys_file(write(tmp_path, f"tenants:\n  a: {{keys: [{KEY_A}]}}\n"))
-    assert digests == {"a": [hashlib.sha256(KEY_A.encode()).hexdigest()]}
+    assert digests == {"a": {"digests": [hashlib.sha256(KEY_A.encode()).hexdigest()], "admin": False}}
 
 
 @pytest.mark.parametrize("text, reason", [
