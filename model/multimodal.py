@@ -35,18 +35,11 @@ class MultimodalFamily:
     max_items: int  # media items one request may carry
 
 
-def _encode_llava(hf: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def _encode_image(hf: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """LLaVA's and LLaVA-NeXT's own `get_image_features` (NeXT's processor adds image_sizes)."""
     config = hf.config
     features = hf.model.get_image_features(
-        inputs["pixel_values"], vision_feature_layer=config.vision_feature_layer,
-        vision_feature_select_strategy=config.vision_feature_select_strategy)
-    return torch.cat(features.pooler_output)
-
-
-def _encode_llava_next(hf: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    config = hf.config
-    features = hf.model.get_image_features(
-        inputs["pixel_values"], inputs["image_sizes"], vision_feature_layer=config.vision_feature_layer,
+        **inputs, vision_feature_layer=config.vision_feature_layer,
         vision_feature_select_strategy=config.vision_feature_select_strategy)
     return torch.cat(features.pooler_output)
 
@@ -70,10 +63,10 @@ def _encode_qwen2_audio(hf: nn.Module, inputs: dict[str, torch.Tensor]) -> torch
 
 FAMILIES: dict[str, MultimodalFamily] = {
     "llava": MultimodalFamily("image", "image_token_index", ("model.vision_tower", "model.multi_modal_projector"),
-                              _encode_llava, max_items=8),
+                              _encode_image, max_items=8),
     "llava_next": MultimodalFamily("image", "image_token_index",
                                    ("model.vision_tower", "model.multi_modal_projector", "model.image_newline"),
-                                   _encode_llava_next, max_items=4),
+                                   _encode_image, max_items=4),
     "qwen2_audio": MultimodalFamily("audio", "audio_token_index", ("model.audio_tower", "model.multi_modal_projector"),
                                     _encode_qwen2_audio, max_items=4),
 }

@@ -37,6 +37,14 @@ class MediaLimits:
     max_audio_seconds: float = 30.0
 
 
+def message_content(parts: list[dict]) -> str | list[dict]:
+    """A message's content from its parts: the text alone when every part is text (so a text
+    message takes the text path as it always has), else the parts."""
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
 class MediaPromptEncoder:
     def __init__(self, model_dir: str | Path, spec, limits: MediaLimits = MediaLimits(),
                  max_text_chars: int | None = None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cluster.engine.errors import InvalidRequestError
+from cluster.engine.media_prompt import message_content
 from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 from protos import inference_pb2 as pb
@@ -45,10 +46,7 @@ def prompt_or_messages(request: pb.GenerateRequest) -> tuple[str | None, list[di
                 parts.append({"type": "text", "text": part.text})
             else:
                 parts.append({"type": kind, "data": getattr(part, kind), "where": f"messages[{i}].parts[{j}].{kind}"})
-        if all(p["type"] == "text" for p in parts):
-            messages.append({"role": message.role, "content": "".join(p["text"] for p in parts)})
-        else:
-            messages.append({"role": message.role, "content": parts})
+        messages.append({"role": message.role, "content": message_content(parts)})
     return None, messages
 
 

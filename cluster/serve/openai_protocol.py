@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.engine.errors import InvalidRequestError
+from cluster.engine.media_prompt import message_content
 from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
 
@@ -100,10 +101,7 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict]:
             messages.append({"role": m.role, "content": m.content or ""})
             continue
         parts = [_content_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(m.content)]
-        if all(p["type"] == "text" for p in parts):
-            messages.append({"role": m.role, "content": "".join(p["text"] for p in parts)})
-        else:
-            messages.append({"role": m.role, "content": parts})
+        messages.append({"role": m.role, "content": message_content(parts)})
     return messages
 
 

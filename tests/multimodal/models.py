@@ -56,18 +56,13 @@ def build_llava(out_dir: Path, lm_dir: Path, seed: int = 0, vision: dict = TINY_
     config = LlavaConfig(vision_config=vision, text_config=lm.config, image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                          vision_feature_layer=-2, vision_feature_select_strategy="default",
                          tie_word_embeddings=lm.config.tie_word_embeddings)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    model.model.language_model.load_state_dict(lm.model.state_dict())
-    _scale_projector_output(model.model.multi_modal_projector.linear_2, lm)
-    model.save_pretrained(out_dir)
     image_processor = CLIPImageProcessor(size={"shortest_edge": image_size},
                                          crop_size={"height": image_size, "width": image_size})
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(out_dir)
-    return out_dir
+    return _save(out_dir, LlavaForConditionalGeneration, config, lm, processor, seed,
+                 lambda model: _scale_projector_output(model.model.multi_modal_projector.linear_2, lm))
 
 
 def build_llava_next(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
@@ -83,20 +78,18 @@ def build_llava_next(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
     config = LlavaNextConfig(vision_config=vision, text_config=lm.config, image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                              image_grid_pinpoints=pinpoints, vision_feature_layer=-2,
                              vision_feature_select_strategy="default", tie_word_embeddings=lm.config.tie_word_embeddings)
-    torch.manual_seed(seed)
-    model = LlavaNextForConditionalGeneration(config).eval()
-    model.model.language_model.load_state_dict(lm.model.state_dict())
-    _scale_projector_output(model.model.multi_modal_projector.linear_2, lm)
-    with torch.no_grad():  # the row separator: the LM's own newline, rather than random numbers
-        model.model.image_newline.copy_(lm.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("Ċ")])
-    model.save_pretrained(out_dir)
     image_processor = LlavaNextImageProcessor(size={"shortest_edge": IMAGE_SIZE}, image_grid_pinpoints=pinpoints,
                                               crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
                                    vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                    chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(out_dir)
-    return out_dir
+
+    def prepare(model):
+        _scale_projector_output(model.model.multi_modal_projector.linear_2, lm)
+        with torch.no_grad():  # the row separator: the LM's own newline, rather than random numbers
+            model.model.image_newline.copy_(lm.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("Ċ")])
+
+    return _save(out_dir, LlavaNextForConditionalGeneration, config, lm, processor, seed, prepare)
 
 
 def build_qwen2_audio(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
@@ -110,15 +103,25 @@ def build_qwen2_audio(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
                                     encoder_ffn_dim=128, d_model=64, max_source_positions=1500)
     config = Qwen2AudioConfig(audio_config=audio, text_config=lm.config,
                               audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
-    torch.manual_seed(seed)
-    model = Qwen2AudioForConditionalGeneration(config).eval()
-    model.model.language_model.load_state_dict(lm.model.state_dict())
-    with torch.no_grad():  # this class keeps an LM head of its own (untied): the LM's, copied
-        model.lm_head.weight.copy_(lm.get_output_embeddings().weight)
-    _scale_projector_output(model.model.multi_modal_projector.linear, lm)
-    model.save_pretrained(out_dir)
     processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=tokenizer,
                                     chat_template=CHAT_TEMPLATE)
+
+    def prepare(model):
+        with torch.no_grad():  # this class keeps an LM head of its own (untied): the LM's, copied
+            model.lm_head.weight.copy_(lm.get_output_embeddings().weight)
+        _scale_projector_output(model.model.multi_modal_projector.linear, lm)
+
+    return _save(out_dir, Qwen2AudioForConditionalGeneration, config, lm, processor, seed, prepare)
+
+
+def _save(out_dir: Path, model_class, config, lm, processor, seed: int, prepare) -> Path:
+    """The model of `config` with a seeded random encoder, the LM's real weights and `prepare`'s
+    touches, written with its processor as an HF directory."""
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    model.model.language_model.load_state_dict(lm.model.state_dict())
+    prepare(model)
+    model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     return out_dir
 
@@ -139,6 +142,24 @@ def png(seed: int, size: tuple[int, int] = (40, 32)) -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def blank_image(fmt: str, size: tuple[int, int] = (8, 8), mode: str = "RGB") -> bytes:
+    """A black image in any format PIL writes (GIF, BMP: formats the server does not take)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new(mode, size).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def silence(fmt: str, seconds: float = 0.5, rate: int = 16000) -> bytes:
+    """Silent audio in any format libsndfile writes (OGG: a format the server does not take)."""
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(int(rate * seconds), dtype=np.float32), rate, format=fmt)
     return buffer.getvalue()
 
 

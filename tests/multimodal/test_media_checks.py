@@ -14,34 +14,18 @@ from cluster.engine.embedding_cache import EmbeddingCache
 from cluster.engine.errors import InvalidRequestError
 from cluster.engine.media import MediaItem, MediaSegment, content_hash, place_media, step_embeds
 from cluster.engine.media_prompt import MediaLimits, decode_audio, decode_image
-from tests.multimodal.models import png, wav
+from tests.multimodal.models import blank_image, png, silence, wav
 
 LIMITS = MediaLimits(max_image_pixels=4_000_000, max_audio_seconds=2.0)
 
 
-def _image(fmt: str, size=(8, 8), mode="RGB") -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new(mode, size).save(buffer, format=fmt)
-    return buffer.getvalue()
-
-
-def _audio(fmt: str, seconds: float = 0.5, rate: int = 16000) -> bytes:
-    import soundfile
-
-    buffer = io.BytesIO()
-    soundfile.write(buffer, np.zeros(int(rate * seconds), dtype=np.float32), rate, format=fmt)
-    return buffer.getvalue()
-
-
 @pytest.mark.parametrize("data, reason", [
     (b"hello", "is not an image (taken: PNG, JPEG, WEBP)"),
-    (_image("GIF"), "is a GIF image; taken: PNG, JPEG, WEBP"),
-    (_image("BMP"), "is a BMP image; taken: PNG, JPEG, WEBP"),
+    (blank_image("GIF"), "is a GIF image; taken: PNG, JPEG, WEBP"),
+    (blank_image("BMP"), "is a BMP image; taken: PNG, JPEG, WEBP"),
     (png(5, (64, 64))[:400], "is a damaged PNG image"),
-    (_image("JPEG", (64, 64))[:300], "is a damaged image"),
-    (_image("PNG", (2001, 2000), "L"), "is 2001x2000 pixels; this server takes images of at most 4000000 pixels"),
+    (blank_image("JPEG", (64, 64))[:300], "is a damaged image"),
+    (blank_image("PNG", (2001, 2000), "L"), "is 2001x2000 pixels; this server takes images of at most 4000000 pixels"),
 ])
 def test_bad_images_are_refused_naming_the_part(data, reason):
     with pytest.raises(InvalidRequestError) as error:
@@ -51,7 +35,7 @@ def test_bad_images_are_refused_naming_the_part(data, reason):
 
 def test_good_images_decode_to_rgb():
     for fmt in ("PNG", "JPEG", "WEBP"):
-        image = decode_image(_image(fmt, (20, 10), "L"), "image", LIMITS)
+        image = decode_image(blank_image(fmt, (20, 10), "L"), "image", LIMITS)
         assert image.mode == "RGB" and image.size == (20, 10)
 
 
@@ -66,8 +50,8 @@ def _noise_flac() -> bytes:
 @pytest.mark.parametrize("data, reason", [
     (b"RIFF\x00\x00\x00\x00WAVEfmt ", "is not audio (taken: WAV, FLAC)"),
     (png(1), "is not audio"),
-    (_audio("OGG"), "is OGG audio; taken: WAV, FLAC"),
-    (_audio("WAV", seconds=2.5), "is 2.5 s of audio; this server takes at most 2 s"),
+    (silence("OGG"), "is OGG audio; taken: WAV, FLAC"),
+    (silence("WAV", seconds=2.5), "is 2.5 s of audio; this server takes at most 2 s"),
     (_noise_flac()[:3000], "is damaged FLAC audio"),
 ])
 def test_bad_audio_is_refused_naming_the_part(data, reason):
@@ -79,7 +63,7 @@ def test_bad_audio_is_refused_naming_the_part(data, reason):
 def test_audio_is_mono_at_the_models_rate():
     samples = decode_audio(wav(1, seconds=0.5, rate=8000), "audio", LIMITS, 16000)
     assert samples.dtype == np.float32 and samples.shape == (8000,)
-    assert decode_audio(_audio("FLAC", 1.0), "audio", LIMITS, 16000).shape == (16000,)
+    assert decode_audio(silence("FLAC", 1.0), "audio", LIMITS, 16000).shape == (16000,)
 
 
 def _item(rows: int, tag: int) -> MediaItem:

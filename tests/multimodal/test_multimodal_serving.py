@@ -13,7 +13,6 @@ deployment (each its own Serve application on the session's cluster).
 from __future__ import annotations
 
 import base64
-import io
 import time
 
 import grpc
@@ -25,7 +24,7 @@ from protos import inference_pb2 as pb
 from tests.cluster.test_disaggregated_serving import deployed
 from tests.hf_reference import check_all
 from tests.multimodal.conftest import FAMILIES, MAX_TOKENS
-from tests.multimodal.models import image_conversations, png, wav
+from tests.multimodal.models import blank_image, image_conversations, png, silence, wav
 
 MAX_MEDIA_BYTES = 64 << 10
 
@@ -103,29 +102,12 @@ def test_media_metrics_are_exported(llava_app, server):
     raise AssertionError(f"media metrics missing for {placement}: {wanted}")
 
 
-def _image(fmt: str, size=(8, 8), mode="RGB") -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new(mode, size).save(buffer, format=fmt)
-    return buffer.getvalue()
-
-
-def _wav(seconds: float = 0.5) -> bytes:
-    import numpy as np
-    import soundfile
-
-    buffer = io.BytesIO()
-    soundfile.write(buffer, np.zeros(int(16000 * seconds), dtype=np.float32), 16000, format="WAV")
-    return buffer.getvalue()
-
-
 BAD_MEDIA = {
     "not an image": (b"hello, I am text", "is not an image"),
     "truncated": (png(5, (64, 64))[:400], "damaged PNG"),
-    "a format not taken": (_image("GIF"), "GIF image"),
+    "a format not taken": (blank_image("GIF"), "GIF image"),
     "over the byte cap": (png(6, (160, 160)), f"at most {MAX_MEDIA_BYTES}"),
-    "a decompression bomb": (_image("PNG", (6000, 6000), "L"), "6000x6000 pixels"),
+    "a decompression bomb": (blank_image("PNG", (6000, 6000), "L"), "6000x6000 pixels"),
 }
 
 
@@ -149,7 +131,7 @@ def test_bad_media_is_invalid_argument_naming_its_part(llava_app, case):
 @ONE_PLACEMENT
 def test_audio_and_too_many_images_are_refused(llava_app):
     for content, where, reason in [
-        ([{"type": "audio", "data": _wav()}], "messages[0].parts[0].audio", "takes image, not audio"),
+        ([{"type": "audio", "data": silence("WAV")}], "messages[0].parts[0].audio", "takes image, not audio"),
         ([{"type": "image", "data": png(i)} for i in range(4)], "messages[0].parts[3].image", "at most 3"),
     ]:
         with pytest.raises(grpc.RpcError) as error:
