@@ -73,9 +73,11 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
               help="Multimodal models: encode media in the model server's engine, or on an EncoderServer deployment.")
 @click.option("--api-keys", "api_keys_file", type=click.Path(dir_okay=False), default=None,
               help="YAML of tenants and their API keys; without it the server is open.")
+@click.option("--usage-log", type=click.Path(dir_okay=False), default=None,
+              help="Append one JSON line per ended request here (default with --api-keys: $PAGODA_HOME/usage.jsonl).")
 def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp,
           device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through, preemption_mode, swap_space_gb,
-          drain_timeout, front_door, autoscale, encoder, api_keys_file) -> None:
+          drain_timeout, front_door, autoscale, encoder, api_keys_file, usage_log) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground. SIGTERM or
     Ctrl-C drains it (new requests refused, those in flight finish), then stops Serve and Ray."""
     import os
@@ -116,6 +118,12 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
         engine["encoder"] = encoder
     if api_keys_file:
         args["api_keys_file"] = str(Path(api_keys_file).resolve())
+    if usage_log:
+        args["usage_log"] = str(Path(usage_log).resolve())
+    elif args.get("api_keys_file") and not args.get("usage_log"):
+        from cluster.model_fetch import pagoda_home
+
+        args["usage_log"] = str(pagoda_home() / "usage.jsonl")
     if autoscale:
         bounds = parse_replica_range(autoscale)
         for server in ("llm_server", "prefill_server") if args.get("disaggregated") else ("llm_server",):
@@ -165,6 +173,25 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
     finally:
         click.echo("pagoda: stopping", err=True)
         launcher.stop()
+
+
+@main.command()
+@click.argument("log", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def usage(log, as_json) -> None:
+    """Sum a usage log (`pagoda serve --usage-log`) per tenant."""
+    import json
+
+    from cluster.serve.usage_log import SUMMED, read_usage, sum_by_tenant
+
+    totals = sum_by_tenant(read_usage(log))
+    if as_json:
+        click.echo(json.dumps(totals, indent=2, sort_keys=True))
+        return
+    columns = ("requests", *SUMMED)
+    click.echo(f"{'tenant':<20}" + "".join(f"{c:>16}" for c in columns))
+    for tenant in sorted(totals):
+        click.echo(f"{tenant or '(open)':<20}" + "".join(f"{totals[tenant][c]:>16g}" for c in columns))
 
 
 @main.command()

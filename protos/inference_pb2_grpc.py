@@ -49,6 +49,16 @@ class InferenceStub:
                 request_serializer=protos_dot_inference__pb2.HealthRequest.SerializeToString,
                 response_deserializer=protos_dot_inference__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/pagoda.v1.Inference/ListRequests',
+                request_serializer=protos_dot_inference__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=protos_dot_inference__pb2.RequestList.FromString,
+                _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/pagoda.v1.Inference/Cancel',
+                request_serializer=protos_dot_inference__pb2.CancelRequest.SerializeToString,
+                response_deserializer=protos_dot_inference__pb2.CancelResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -74,6 +84,21 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRequests(self, request, context):
+        """The caller's tenant's running requests, and stopping one of them by id (NOT_FOUND for an id
+        the tenant does not run: another tenant's requests are not even seen). The stopped request's
+        stream ends with CANCELLED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Cancel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +116,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=protos_dot_inference__pb2.HealthRequest.FromString,
                     response_serializer=protos_dot_inference__pb2.HealthResponse.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=protos_dot_inference__pb2.ListRequestsRequest.FromString,
+                    response_serializer=protos_dot_inference__pb2.RequestList.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=protos_dot_inference__pb2.CancelRequest.FromString,
+                    response_serializer=protos_dot_inference__pb2.CancelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +209,60 @@ class Inference:
             '/pagoda.v1.Inference/Health',
             protos_dot_inference__pb2.HealthRequest.SerializeToString,
             protos_dot_inference__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Inference/ListRequests',
+            protos_dot_inference__pb2.ListRequestsRequest.SerializeToString,
+            protos_dot_inference__pb2.RequestList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Inference/Cancel',
+            protos_dot_inference__pb2.CancelRequest.SerializeToString,
+            protos_dot_inference__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

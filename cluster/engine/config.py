@@ -63,6 +63,8 @@ class EngineConfig:
     # engine never loads the encoder.
     encoder: str = "colocated"
     embedding_cache_bytes: int = 256 << 20  # encoded media kept by content hash (colocated)
+    # Between tenants: "fair" (shares by weight, cluster/engine/fair_share.py) or "fcfs" (arrival).
+    tenant_scheduling: str = "fair"
 
     def __post_init__(self):
         for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
@@ -84,5 +86,7 @@ class EngineConfig:
             raise ValueError(f"tp_collective must be 'auto' or 'gloo', got {self.tp_collective!r}")
         if self.encoder not in ENCODER_PLACEMENTS:
             raise ValueError(f"encoder must be one of {', '.join(ENCODER_PLACEMENTS)}, got {self.encoder!r}")
+        if self.tenant_scheduling not in ("fair", "fcfs"):
+            raise ValueError(f"tenant_scheduling must be 'fair' or 'fcfs', got {self.tenant_scheduling!r}")
         if self.kv_role not in (None, "prefill", "decode"):
             raise ValueError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")

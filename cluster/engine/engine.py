@@ -76,7 +76,7 @@ class LLMEngine:
         self.kv_connector = KVConnector(self.kv_cache, offload, executor, prefetch=config.kv_prefetch,
                                         swap_space_blocks=config.swap_space_bytes // page_bytes)
         self.scheduler = Scheduler(self.kv_cache, self.kv_connector, config.max_num_batched_tokens,
-                                   config.max_num_seqs, config.preemption_mode)
+                                   config.max_num_seqs, config.preemption_mode, config.tenant_scheduling)
         self._requests: dict[str, list[Request]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(config.seed)
@@ -119,11 +119,14 @@ class LLMEngine:
         media: list[MediaItem] = (),
         export_kv: bool = False,
         prefilled: PrefillResult | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
     ) -> list[RequestDelta]:
         """Queue a request. `media`: its images or audio clips, in the order of their placeholders
         in the prompt, encoded already or encoded here (colocated encoder). Disaggregation:
         `export_kv` (prefill side) collects its KV as it is computed and hands it out with its
         last delta; `prefilled` (decode side) starts from a prefill engine's first token and KV.
+        `tenant` and its `weight`: the share of the engine its requests get under contention.
         Returns deltas ready now (a prefilled first token)."""
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -153,6 +156,8 @@ class LLMEngine:
                     eos_token_ids=tuple(eos),
                     max_model_len=self.max_model_len,
                     salt=salt,
+                    tenant=tenant,
+                    weight=weight,
                     media=media,
                     media_segments=segments,
                 )

@@ -44,6 +44,9 @@ class Request:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     salt: str | None = None
+    # who asks (None: an open server) and the tenant's weight: shares of the engine under contention
+    tenant: str | None = None
+    weight: float = 1.0
     media: list[MediaItem] = field(default_factory=list)  # encoded: their embeddings fill the placeholders
     media_segments: list[MediaSegment] = field(default_factory=list)  # which positions take which rows
     token_ids: list[int] = field(init=False)

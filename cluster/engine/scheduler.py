@@ -14,7 +14,11 @@ it are still restored. The scheduler deals in counts and block indices only, nev
 When blocks run out for a running request, the newest running request is preempted (its blocks
 freed) until the older one fits. With preemption_mode "recompute" it starts again later, mostly
 from the prefix cache; with "swap" the connector copies its KV to host memory before the step and
-it comes back from there. No new request is admitted in a step that preempted.
+it comes back from there. No new request is admitted in a step that ran out of blocks.
+
+Between tenants (Request.tenant, weighted), waiting requests are admitted by fair share, not by
+arrival (cluster/engine/fair_share.py; tenant_scheduling "fair"), and a full batch gives up one
+seat per step to a tenant below its share.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cache_service import KVCacheManager
+from cluster.engine.fair_share import FairShares
 from cluster.engine.kv_connector import KVConnector
 from cluster.engine.request import FinishReason, Request, RequestStatus
 
@@ -56,7 +61,7 @@ class SchedulerPlan:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, kv_connector: KVConnector, max_num_batched_tokens: int,
-                 max_num_seqs: int, preemption_mode: str = "recompute"):
+                 max_num_seqs: int, preemption_mode: str = "recompute", tenant_scheduling: str = "fair"):
         self.kv_cache = kv_cache
         self.kv_connector = kv_connector
         self.swap = preemption_mode == "swap"
@@ -65,17 +70,22 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.shares = FairShares() if tenant_scheduling == "fair" else None  # None: first come, first served
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def add(self, request: Request) -> None:
+        if self.shares is not None:
+            self.shares.join(request, (*self.waiting, *self.running))
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerPlan:
         plan = SchedulerPlan()
         budget = self.max_num_batched_tokens
+        self._give_a_seat(plan)
+        out_of_blocks = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -86,18 +96,19 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 plan.preempted.append(victim)
+                out_of_blocks = True
                 if victim is request:
                     break
             else:
                 request.num_computed_tokens = num_ready
-                plan.scheduled.append(ScheduledRequest(request, num_new, restore))
+                self._schedule(plan, request, num_new, restore)
                 budget -= num_new
                 i += 1
-        if plan.preempted:
+        if out_of_blocks:
             return plan
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self._next_waiting()
             cached, num_cached = self.kv_cache.find_cached_prefix(
                 request.request_id, request.token_ids, request.salt, request.media_segments)
             # KV imported from a prefill engine, swapped out at preemption, or restored from a
@@ -109,15 +120,34 @@ class Scheduler:
                 break
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
             self.kv_connector.on_admitted(request.request_id, restore, num_device_tokens=num_cached)
-            self.waiting.popleft()
+            self.waiting.remove(request)
             if request.num_preemptions == 0 and not request.num_cached_tokens:
                 request.num_cached_tokens = min(num_ready, request.num_prompt_tokens)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
             self.running.append(request)
-            plan.scheduled.append(ScheduledRequest(request, num_new, restore))
+            self._schedule(plan, request, num_new, restore)
             budget -= num_new
         return plan
+
+    def _schedule(self, plan: SchedulerPlan, request: Request, num_new: int, restore: list[int]) -> None:
+        plan.scheduled.append(ScheduledRequest(request, num_new, restore))
+        if self.shares is not None:
+            self.shares.charge(request, num_new)
+
+    def _next_waiting(self) -> Request:
+        return self.waiting[0] if self.shares is None else self.shares.next_waiting(self.waiting, self.running)
+
+    def _give_a_seat(self, plan: SchedulerPlan) -> None:
+        """A full batch and a waiting tenant below its share of seats: the newest running request
+        of the tenant furthest over its share makes way (one per step)."""
+        if self.shares is None or not self.waiting or len(self.running) < self.max_num_seqs:
+            return
+        victim = self.shares.seat_for(self._next_waiting(), self.running, self.waiting, self.max_num_seqs)
+        if victim is not None:
+            self.running.remove(victim)
+            self._preempt(victim)
+            plan.preempted.append(victim)
 
     def _num_new_tokens(self, request: Request, num_ready: int, budget: int) -> int:
         """Tokens to compute this step: up to the end, the budget, or the next run of pages that

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
 from cluster.serve.ingress import Ingress, build_fastapi_app
+from cluster.serve.ledger import TenantLedger
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import LLMServer
 from cluster.serve.tenants import load_keys_file
@@ -42,6 +43,9 @@ PREFIX_AFFINITY_ROUTER = {  # Serve's, with its helper actor on the head (cluste
 SERVER_DEFAULTS = {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 2}
 INGRESS_DEFAULTS = {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0}}
 ENCODER_DEFAULTS = {"max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": 1}}
+# The ledger is one replica by design (the tenants' state in one place); each ingress replica keeps
+# one long poll open on it, and each request makes two short calls.
+LEDGER_OPTIONS = {"num_replicas": 1, "max_ongoing_requests": 100_000, "ray_actor_options": {"num_cpus": 0}}
 
 
 class DeploymentOptions(BaseModel):
@@ -129,6 +133,8 @@ class AppConfig(BaseModel):
     front_door_dir: str | None = Field(None, description="set by `pagoda serve`: where the ingress tells the front door")
     api_keys_file: str | None = Field(None, description="tenants and their API keys (cluster/serve/tenants.py); "
                                       "none: the server is open to anyone who reaches it")
+    usage_log: str | None = Field(None, description="append-only JSON lines, one per request that ended, on the "
+                                  "TenantLedger's node (`pagoda usage FILE` sums them per tenant); none: no log")
 
     @model_validator(mode="before")
     @classmethod
@@ -192,12 +198,14 @@ def build_app(args: dict | None = None):
         decode_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)
     llm_server = serve.deployment(LLMServer, name="LLMServer", **decode_options).bind(
         engine_config=decode_engine, prefill_server=prefill_server, **common)
+    tenants = load_keys_file(config.api_keys_file) if config.api_keys_file else None
+    ledger = serve.deployment(TenantLedger, name="TenantLedger", **LEDGER_OPTIONS).bind(
+        tenants=tenants, usage_log=config.usage_log)
     ingress_cls = serve.ingress(build_fastapi_app)(Ingress)
     ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
     return serve.deployment(ingress_cls, name="Ingress", **ingress_options).bind(
-        llm_server, limits=config.limits.model_dump(), max_pending_requests=max_pending_requests(config),
-        front_door_dir=config.front_door_dir, encoder_server=encoder_server(config, decode_engine),
-        api_keys=load_keys_file(config.api_keys_file) if config.api_keys_file else None)
+        llm_server, ledger, limits=config.limits.model_dump(), max_pending_requests=max_pending_requests(config),
+        front_door_dir=config.front_door_dir, encoder_server=encoder_server(config, decode_engine), tenants=tenants)
 
 
 def encoder_server(config: AppConfig, engine: dict):

@@ -22,3 +22,26 @@ class RequestTooLargeError(ValueError):
 
 class UnsupportedMediaTypeError(ValueError):
     """The HTTP body is not JSON (415)."""
+
+
+class QuotaExceededError(RuntimeError):
+    """A tenant's concurrency limit or compute-unit budget is used up (429 / RESOURCE_EXHAUSTED,
+    with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DuplicateRequestError(ValueError):
+    """The tenant already runs a request of this id (409 / ALREADY_EXISTS)."""
+
+    field = "request_id"
+
+
+class RequestCancelledError(RuntimeError):
+    """The request's tenant cancelled it by id (499 / CANCELLED)."""
+
+
+class RequestNotFoundError(LookupError):
+    """No running request of the caller's tenant has this id (404 / NOT_FOUND)."""

@@ -6,6 +6,7 @@ from cluster.engine.errors import InvalidRequestError
 from cluster.engine.media_prompt import message_content
 from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
+from cluster.serve.ledger import RequestMeter
 from protos import inference_pb2 as pb
 
 
@@ -61,7 +62,13 @@ def grpc_messages(messages: list[dict]) -> list[pb.Message]:
     return [pb.Message(role=m["role"], parts=parts(m["content"])) for m in messages]
 
 
-def response(delta: RequestDelta) -> pb.GenerateResponse:
+def response(delta: RequestDelta, meter: RequestMeter | None = None) -> pb.GenerateResponse:
+    """One delta; the request's last one (with its meter) also says what the request cost."""
+    cost = {}
+    if meter is not None:
+        cost["compute_units"] = meter.compute_units
+        if meter.units_limit is not None:
+            cost["compute_units_limit"] = meter.units_limit
     return pb.GenerateResponse(
         index=delta.index,
         text=delta.new_text,
@@ -69,6 +76,7 @@ def response(delta: RequestDelta) -> pb.GenerateResponse:
         finish_reason=delta.finish_reason or "",
         prompt_tokens=delta.num_prompt_tokens,
         cached_tokens=delta.num_cached_tokens,
+        **cost,
         logprobs=[
             pb.TokenLogprob(
                 token_id=lp.token_id, logprob=lp.logprob,

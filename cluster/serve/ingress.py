@@ -17,8 +17,11 @@ everyone else (a fast tokenizer is not safe to share between threads, hence one)
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
+import re
 import uuid
 
 import grpc
@@ -33,8 +36,12 @@ from cluster.engine.media_prompt import MediaPromptEncoder
 from cluster.engine.prompt import PromptEncoder
 from cluster.serve import grpc_convert
 from cluster.serve.errors import (
+    DuplicateRequestError,
     EngineOverloadedError,
+    QuotaExceededError,
+    RequestCancelledError,
     RequestFailedError,
+    RequestNotFoundError,
     RequestTimeoutError,
     RequestTooLargeError,
     UnsupportedMediaTypeError,
@@ -42,10 +49,11 @@ from cluster.serve.errors import (
 )
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.front_door import FrontDoorFlag
+from cluster.serve.ledger import Admission, RequestMeter, RequestSize
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.metrics import MediaMetrics
-from cluster.serve.tenants import ForbiddenError, KeyRing, UnauthenticatedError, bearer_key
+from cluster.serve.tenants import ComputeUnitPrices, ForbiddenError, KeyRing, TenantsFile, UnauthenticatedError, bearer_key
 from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
     ChatResponseBuilder,
@@ -67,35 +75,46 @@ logger = logging.getLogger("pagoda.ingress")
 JSON_CONTENT_TYPES = ("application/json", "application/x-www-form-urlencoded", "text/plain", "")
 HEALTH_SERVICES = ("", pb.DESCRIPTOR.services_by_name["Inference"].full_name)  # "": the server as a whole
 HEALTH_TIMEOUT_S = 1.0
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+@functools.cache
+def _error_table() -> list[tuple[tuple[type, ...], int, str, grpc.StatusCode]]:
+    """(exception classes, HTTP status, OpenAI error type, gRPC code), first match wins."""
+    from ray.serve.exceptions import BackPressureError
+
+    codes = grpc.StatusCode
+    return [
+        ((UnauthenticatedError,), 401, "authentication_error", codes.UNAUTHENTICATED),
+        ((ForbiddenError,), 403, "permission_error", codes.PERMISSION_DENIED),
+        ((RequestTooLargeError,), 413, "invalid_request_error", codes.RESOURCE_EXHAUSTED),
+        ((UnsupportedMediaTypeError,), 415, "invalid_request_error", codes.INVALID_ARGUMENT),
+        ((InvalidRequestError, ValidationError), 400, "invalid_request_error", codes.INVALID_ARGUMENT),
+        ((DuplicateRequestError,), 409, "invalid_request_error", codes.ALREADY_EXISTS),
+        ((RequestNotFoundError,), 404, "not_found_error", codes.NOT_FOUND),
+        ((RequestCancelledError,), 499, "cancelled", codes.CANCELLED),
+        ((QuotaExceededError, EngineOverloadedError, BackPressureError), 429, "rate_limit_error", codes.RESOURCE_EXHAUSTED),
+        ((RequestTimeoutError, TimeoutError), 504, "timeout_error", codes.DEADLINE_EXCEEDED),
+        ((RequestFailedError,), 500, "internal_error", codes.INTERNAL),
+        ((WorkerLostError, ServerDrainingError), 503, "service_unavailable", codes.UNAVAILABLE),
+    ]
+
 
 def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
     """(HTTP status, OpenAI error type, gRPC code, message) for an exception."""
     from ray.exceptions import RayActorError
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+    from ray.serve.exceptions import DeploymentUnavailableError
 
     cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the original as .cause
-    if isinstance(cause, UnauthenticatedError):
-        return 401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED, str(cause)
-    if isinstance(cause, ForbiddenError):
-        return 403, "permission_error", grpc.StatusCode.PERMISSION_DENIED, str(cause)
-    if isinstance(cause, RequestTooLargeError):
-        return 413, "invalid_request_error", grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause)
-    if isinstance(cause, UnsupportedMediaTypeError):
-        return 415, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, str(cause)
-    if isinstance(cause, (InvalidRequestError, ValidationError)):
-        return 400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, str(cause)
-    if isinstance(cause, (EngineOverloadedError, BackPressureError)):
-        return 429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause) or "overloaded; retry later"
-    if isinstance(cause, (RequestTimeoutError, TimeoutError)):
-        return 504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED, str(cause) or "timed out"
-    if isinstance(cause, RequestFailedError):
-        return 500, "internal_error", grpc.StatusCode.INTERNAL, str(cause)
-    if isinstance(cause, (WorkerLostError, ServerDrainingError)):
-        return 503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, str(cause)
+    for classes, status, kind, code in _error_table():
+        if isinstance(cause, classes):
+            return status, kind, code, str(cause) or DEFAULT_MESSAGES.get(status, kind)
     if isinstance(cause, (DeploymentUnavailableError, RayActorError)):
         return 503, "service_unavailable", grpc.StatusCode.UNAVAILABLE, "the model server is unavailable; retry later"
     logger.exception("internal error", exc_info=exc)
     return 500, "internal_error", grpc.StatusCode.INTERNAL, "internal error"
+
+
+DEFAULT_MESSAGES = {429: "overloaded; retry later", 504: "timed out"}
 
 
 def _field(exc: BaseException) -> str | None:
@@ -103,13 +122,51 @@ def _field(exc: BaseException) -> str | None:
     return getattr(cause, "field", None)
 
 
+def _retry_after(exc: BaseException, status: int) -> dict | None:
+    """The Retry-After header of a 429 or 503: the error's own estimate, else a second."""
+    if status not in (429, 503):
+        return None
+    seconds = getattr(getattr(exc, "cause", None) or exc, "retry_after_s", None) or 1
+    return {"Retry-After": str(int(seconds))}
+
+
+def refuse(admission: Admission) -> None:
+    """Raise the error of a refused admission (nothing for an admitted one)."""
+    if admission.refusal == "quota":
+        raise QuotaExceededError(admission.reason, admission.retry_after_s)
+    if admission.refusal == "too_large":
+        raise InvalidRequestError("max_tokens", admission.reason)
+    if admission.refusal == "duplicate":
+        raise DuplicateRequestError(admission.reason)
+
+
+def checked_request_id(value: str | None, field: str) -> str:
+    """The client's id of a request (scoped by its tenant), or a new one."""
+    if not value:
+        return uuid.uuid4().hex
+    if not REQUEST_ID.fullmatch(value):
+        raise InvalidRequestError(field, "must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+    return value
+
+
 class Ingress:
-    def __init__(self, llm_server, model_name: str | None = None, limits: dict | None = None,
+    def __init__(self, llm_server, ledger, model_name: str | None = None, limits: dict | None = None,
                  max_pending_requests: int = 256, front_door_dir: str | None = None, encoder_server=None,
-                 api_keys: dict[str, dict] | None = None):
+                 tenants: TenantsFile | None = None):
         self.llm = llm_server  # DeploymentHandle to LLMServer
+        # DeploymentHandle to the TenantLedger: admission under the tenants' limits, usage,
+        # cancellation by id (cluster/serve/ledger.py)
+        self.ledger = ledger
         # tenants and their keys' SHA-256 digests (cluster/serve/tenants.py); None: an open server
-        self._keys = KeyRing(api_keys) if api_keys else None
+        self._keys = KeyRing(tenants.tenants) if tenants else None
+        self._prices = tenants.compute_units if tenants else ComputeUnitPrices()
+        self._weights = {name: tenant.weight for name, tenant in tenants.tenants.items()} if tenants else {}
+        self._replica = replica_name(self)
+        # This replica's running requests by (tenant, request_id): their Serve response streams,
+        # which a cancellation from the ledger cancels.
+        self._streams: dict[tuple[str, str], object] = {}
+        self._cancelled: set[tuple[str, str]] = set()
+        self._cancellation_watch: asyncio.Task | None = None
         # DeploymentHandle to an EncoderServer (encoder: deployment): media is encoded there before
         # the LLMServer sees the request; None: the LLMServer's engine encodes it (colocated).
         self.encoder_server = encoder_server
@@ -186,12 +243,14 @@ class Ingress:
         if self._front_door is not None:
             self._front_door.set_full(self.num_pending_requests >= self.max_pending_requests)
 
-    async def _submit(self, prompt, messages, params, tenant: str | None, cache_salt: str | None = None,
-                      timeout_s: float | None = None):
-        """Check the limits, tokenize (and for a multimodal model decode and process its media,
-        encoded by the EncoderServer where there is one), and start streaming deltas. The first
-        delta is awaited here, so errors that happen before any output (overload, bad input) raise
-        before a response starts. The caller holds an `_admission` place."""
+    async def _submit(self, prompt, messages, params, tenant: str | None, request_id: str,
+                      cache_salt: str | None = None, timeout_s: float | None = None):
+        """Check the limits, tokenize (and for a multimodal model decode and process its media),
+        be admitted by the TenantLedger under the tenant's limits (which may lower max_tokens),
+        encode the media on the EncoderServer where there is one, and start streaming deltas.
+        Returns (first delta, the rest, the request's meter). The first delta is awaited here, so
+        errors that happen before any output (overload, bad input) raise before a response
+        starts. The caller holds an `_admission` place."""
         encoder = await self._ready()
         self.limits.check(params, messages)
         loop = asyncio.get_running_loop()
@@ -202,14 +261,95 @@ class Ingress:
             refuse_media(messages)
             token_ids = await loop.run_in_executor(self._tokenizer_thread, encoder.encode, prompt, messages)
         encoder.check(token_ids, params.max_tokens)
-        if media:
-            self._media_metrics.record_items(media)
-            if self.encoder_server is not None:
-                media = await self.encoder_server.encode.remote(media)
-        request = GenerationRequest(uuid.uuid4().hex, token_ids, params, timeout_s, media, tenant, cache_salt)
-        deltas = _cancel_when_abandoned(self.llm.options(stream=True).generate.remote(request))
+        size = RequestSize(len(token_ids), len(media), params.n, params.max_tokens)
+        admission = await self.ledger.admit.remote(tenant, request_id, self._replica, size)
+        refuse(admission)
+        self._watch_cancellations()
+        meter = RequestMeter(self._prices, len(media), admission.units_limit)
+        if admission.max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=admission.max_tokens)
+        try:
+            if media:
+                self._media_metrics.record_items(media)
+                if self.encoder_server is not None:
+                    media = await self.encoder_server.encode.remote(media)
+            request = GenerationRequest(request_id, token_ids, params, timeout_s, media, tenant, cache_salt,
+                                        self._weights.get(tenant, 1.0))
+            stream = self.llm.options(stream=True).generate.remote(request)
+        except BaseException:
+            self._finish(tenant, request_id, meter, "error")
+            raise
+        deltas = self._metered(tenant, request_id, meter, stream)
         # After a last delta the stream simply ends, so callers iterate `deltas` as is.
-        return await deltas.__anext__(), deltas
+        return await deltas.__anext__(), deltas, meter
+
+    async def _metered(self, tenant: str | None, request_id: str, meter: RequestMeter, stream):
+        """The LLMServer's deltas, counted by the meter. A consumer that stops early (client
+        gone, request cancelled) cancels the LLMServer call, which aborts the request there: Serve
+        would too when the cancellation lands while we wait on the LLMServer, but not when it lands
+        while a chunk is being written to the client. A cancellation by the tenant (through the
+        ledger) cancels the call the same way and ends the stream with RequestCancelledError.
+        At the end, whatever it was, the ledger charges what the meter counted."""
+        key = (tenant or "", request_id)
+        self._streams[key] = stream
+        outcome = "abandoned"
+        try:
+            async for delta in stream:
+                meter.count(delta)
+                yield delta
+            outcome = "ok"
+        except (Exception, asyncio.CancelledError) as e:
+            if key in self._cancelled:
+                outcome = "cancelled"
+                raise RequestCancelledError(f"request {request_id} was cancelled by its tenant") from None
+            outcome = "error" if isinstance(e, Exception) else outcome
+            raise
+        finally:
+            del self._streams[key]
+            self._cancelled.discard(key)
+            if outcome == "abandoned":
+                stream.cancel()
+            self._finish(tenant, request_id, meter, outcome)
+
+    def _finish(self, tenant: str | None, request_id: str, meter: RequestMeter, outcome: str) -> None:
+        """Tell the ledger a request ended (charged, logged), without holding up its response."""
+        async def tell():
+            try:
+                await self.ledger.finish.remote(tenant, request_id, meter.usage, outcome)
+            except Exception:  # noqa: BLE001 - the ledger forgets it with this replica, if ever
+                logger.exception("could not report the end of request %s to the ledger", request_id)
+
+        asyncio.get_running_loop().create_task(tell())
+
+    def _watch_cancellations(self) -> None:
+        """One long poll of the ledger per replica (from its first request on): the requests
+        here that their tenants cancelled. Also this replica's sign of life to the ledger."""
+        if self._cancellation_watch is not None and not self._cancellation_watch.done():
+            return
+
+        async def watch():
+            while True:
+                try:
+                    cancelled = await self.ledger.next_cancellations.remote(self._replica)
+                except Exception:  # noqa: BLE001 - the ledger restarting: ask again shortly
+                    logger.warning("cannot reach the tenant ledger; retrying", exc_info=True)
+                    await asyncio.sleep(1.0)
+                    continue
+                for key in cancelled:
+                    stream = self._streams.get(tuple(key))
+                    if stream is not None:
+                        self._cancelled.add(tuple(key))
+                        stream.cancel()
+
+        self._cancellation_watch = asyncio.get_running_loop().create_task(watch())
+
+    async def running_requests(self, tenant: str | None) -> list[dict]:
+        return await self.ledger.requests.remote(tenant)
+
+    async def cancel_request(self, tenant: str | None, request_id: str) -> dict:
+        if not await self.ledger.cancel.remote(tenant, request_id):
+            raise RequestNotFoundError(f"no running request of yours has id {request_id!r}")
+        return {"id": request_id, "object": "request", "cancelled": True}
 
     # ---- gRPC (method names are the RPC names) ---------------------------------------------
 
@@ -222,19 +362,39 @@ class Ingress:
                     self._check_size(request.ByteSize())
                     prompt, messages = grpc_convert.prompt_or_messages(request)
                     params = grpc_convert.grpc_sampling_params(request.sampling)
-                    first, deltas = await self._submit(prompt, messages, params, tenant, request.cache_salt or None)
+                    request_id = checked_request_id(request.request_id, "request_id")
+                    first, deltas, meter = await self._submit(prompt, messages, params, tenant, request_id,
+                                                              request.cache_salt or None)
             except Exception as e:
                 self._set_grpc_error(grpc_context, e)
                 raise
-            yield grpc_convert.response(first)
+            num_unfinished = params.n
             try:
-                async for delta in deltas:
-                    yield grpc_convert.response(delta)
+                async for delta in _prepend(first, deltas):
+                    num_unfinished -= bool(delta.finished)
+                    # the last message of the request carries what it cost
+                    yield grpc_convert.response(delta, meter if num_unfinished == 0 else None)
             except Exception as e:
                 self._set_grpc_error(grpc_context, e)
                 raise
         finally:
             self.num_in_flight -= 1
+
+    async def Cancel(self, request: pb.CancelRequest, grpc_context) -> pb.CancelResponse:
+        try:
+            await self.cancel_request(self._authenticate_grpc(grpc_context), request.request_id)
+        except Exception as e:
+            self._set_grpc_error(grpc_context, e)
+            raise
+        return pb.CancelResponse(request_id=request.request_id)
+
+    async def ListRequests(self, request: pb.ListRequestsRequest, grpc_context) -> pb.RequestList:
+        try:
+            running = await self.running_requests(self._authenticate_grpc(grpc_context))
+        except Exception as e:
+            self._set_grpc_error(grpc_context, e)
+            raise
+        return pb.RequestList(requests=[pb.RunningRequest(request_id=r["id"], created=r["created"]) for r in running])
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context) -> pb.ModelInfo:
         try:
@@ -373,16 +533,17 @@ class Ingress:
                 refuse_unsupported(body)
                 request = model_cls.model_validate(body)
                 prompt, messages, params, want_logprobs = inputs(request)
-                first, deltas = await self._submit(prompt, messages, params, tenant, request.cache_salt or None)
+                request_id = checked_request_id(request.request_id or raw.headers.get("x-request-id"), "request_id")
+                first, deltas, meter = await self._submit(prompt, messages, params, tenant, request_id,
+                                                          request.cache_salt or None)
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"])
             return _http_error(400, f"{param}: {err['msg']}", "invalid_request_error", param)
         except Exception as e:
             status, kind_name, _, message = _error_kind(e)
-            headers = {"Retry-After": "1"} if status in (429, 503) else None
-            return _http_error(status, message, kind_name, _field(e), headers)
-        builder = builder_cls(self.model_name, params.n, self._decode_token)
+            return _http_error(status, message, kind_name, _field(e), _retry_after(e, status))
+        builder = builder_cls(self.model_name, params.n, self._decode_token, request_id, meter)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(
@@ -467,19 +628,10 @@ def refuse_media(messages: list[dict] | None) -> None:
                                               "the model served here takes text only")
 
 
-async def _cancel_when_abandoned(deltas):
-    """Yield a handle stream's items; a consumer that stops early (client gone, request
-    cancelled) cancels the LLMServer call, which aborts the request there. Serve would cancel it
-    too when the cancellation lands while we wait on the LLMServer, but not when it lands while a
-    chunk is being written to the client; this covers both."""
-    finished = False
-    try:
-        async for delta in deltas:
-            yield delta
-        finished = True
-    finally:
-        if not finished:
-            deltas.cancel()
+async def _prepend(first, rest):
+    yield first
+    async for item in rest:
+        yield item
 
 
 def _http_error(status: int, message: str, kind: str, param: str | None = None, headers=None) -> JSONResponse:
@@ -508,13 +660,15 @@ def build_fastapi_app() -> FastAPI:
     async def validation_exception(_, exc: RequestValidationError):
         return _http_error(422, str(exc.errors()[0].get("msg", "invalid request")), "invalid_request_error")
 
-    # A refused key is answered here (Starlette's handler for a class of its own), not by the
-    # catch-all below, which Starlette re-raises after answering: Serve would log a traceback for
-    # every request without a key.
-    @app.exception_handler(PermissionError)
-    async def refused_key(_, exc: PermissionError):
+    # A refused key or an unknown request id is answered here (Starlette's handler for a class of
+    # its own), not by the catch-all below, which Starlette re-raises after answering: Serve would
+    # log a traceback for every request without a key.
+    async def client_error(_, exc: Exception):
         status, kind, _, message = _error_kind(exc)
         return _http_error(status, message, kind, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+    app.add_exception_handler(PermissionError, client_error)
+    app.add_exception_handler(RequestNotFoundError, client_error)
 
     @app.exception_handler(Exception)
     async def unexpected_exception(_, exc: Exception):
@@ -547,6 +701,16 @@ def build_fastapi_app() -> FastAPI:
     @app.get("/v1/pagoda/status", dependencies=[Depends(admin)])
     async def status():
         return await ingress().status()
+
+    @app.get("/v1/pagoda/requests")
+    async def running_requests(caller: str | None = Depends(tenant)):
+        """The caller's tenant's running requests (ids scoped by tenant)."""
+        return {"object": "list", "data": await ingress().running_requests(caller)}
+
+    @app.delete("/v1/pagoda/requests/{request_id}")
+    async def cancel_request(request_id: str, caller: str | None = Depends(tenant)):
+        """Stop one of the caller's tenant's requests: its stream ends with a `cancelled` error."""
+        return await ingress().cancel_request(caller, request_id)
 
     @app.post("/v1/completions")
     async def completions(raw: Request, caller: str | None = Depends(tenant)):

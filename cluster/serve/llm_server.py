@@ -60,6 +60,7 @@ class GenerationRequest:
     # cache_salt: both salt the KV block hashes, so KV is shared only within a tenant and a salt.
     tenant: str | None = None
     cache_salt: str | None = None
+    weight: float = 1.0  # the tenant's share of an engine under contention, against other tenants
 
     @property
     def salt(self) -> str | None:
@@ -344,7 +345,8 @@ class LLMServer:
                 try:
                     ready = self.engine.add_request(request_id, request.prompt_token_ids, request.params,
                                                     salt=request.salt, media=request.media,
-                                                    export_kv=export_kv, prefilled=prefilled)
+                                                    export_kv=export_kv, prefilled=prefilled,
+                                                    tenant=request.tenant, weight=request.weight)
                 except Exception as e:  # invalid input: the caller gets the error, the loop goes on
                     stream.put(e)
                     continue

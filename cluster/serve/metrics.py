@@ -95,6 +95,31 @@ class MediaMetrics:
         self.cache_misses.update(stats.cache_misses, {"placement": placement})
 
 
+class TenantMetrics:
+    """Per tenant (the TenantLedger's view, over every ingress replica); an open server's tenant
+    is "-"."""
+
+    def __init__(self):
+        self.requests = _counter("pagoda_tenant_requests_total", "Requests that ended, by outcome", {}, ("tenant", "outcome"))
+        self.refusals = _counter("pagoda_tenant_refusals_total", "Requests refused by a tenant's limits, by reason",
+                                 {}, ("tenant", "reason"))
+        self.units = _counter("pagoda_tenant_compute_units_total", "Compute units charged", {}, ("tenant",))
+        self.tokens = _counter("pagoda_tenant_tokens_total", "Tokens of ended requests, by kind (prompt, cached, output)",
+                               {}, ("tenant", "kind"))
+
+    def refused(self, tenant: str, reason: str) -> None:
+        self.refusals.inc(1, {"tenant": tenant or "-", "reason": reason})
+
+    def finished(self, tenant: str, usage, units: float, outcome: str) -> None:
+        tags = {"tenant": tenant or "-"}
+        self.requests.inc(1, {**tags, "outcome": outcome})
+        if units > 0:
+            self.units.inc(units, tags)
+        for kind, count in (("prompt", usage.prompt_tokens), ("cached", usage.cached_tokens), ("output", usage.output_tokens)):
+            if count > 0:
+                self.tokens.inc(count, {**tags, "kind": kind})
+
+
 def start_gpu_telemetry(interval_s: float = 5.0) -> bool:
     """NVML utilization, memory, temperature and power per GPU in a daemon thread; False (and
     nothing started) where there is no GPU driver."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,6 +14,7 @@ from cluster.engine.errors import InvalidRequestError
 from cluster.engine.media_prompt import message_content
 from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
+from cluster.serve.ledger import RequestMeter
 
 
 # OpenAI / vLLM fields that change what is generated and that Pagoda does not do (yet): a request
@@ -56,6 +56,8 @@ class _CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_salt: str | None = Field(None, description="vLLM extension: KV is shared only among requests with the same salt")
+    request_id: str | None = Field(None, description="vLLM extension: the client's id of the request (scoped by tenant); "
+                                   "default: the X-Request-Id header, else one the server makes")
 
 
 class CompletionRequest(_CommonRequest):
@@ -151,20 +153,22 @@ def openai_sampling_params(request: _CommonRequest, default_max_tokens: int | No
     )
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
+def usage(meter: RequestMeter) -> dict:
+    """OpenAI's usage, plus the compute units the request was charged (and the most it could
+    have been, when a tenant's cap or budget lowered its max_tokens)."""
+    counted = meter.usage
+    extra = {"compute_units_limit": meter.units_limit} if meter.units_limit is not None else {}
     return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+        "prompt_tokens": counted.prompt_tokens,
+        "completion_tokens": counted.output_tokens,
+        "total_tokens": counted.prompt_tokens + counted.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": counted.cached_tokens},
+        "compute_units": meter.compute_units,
+        **extra,
     }
 
 
@@ -176,25 +180,20 @@ class ResponseBuilder:
     object_name: str  # the whole answer's "object"
     chunk_object_name: str  # a streamed chunk's
 
-    def __init__(self, model: str, n: int, decode_token):
+    def __init__(self, model: str, n: int, decode_token, request_id: str, meter: RequestMeter):
         self.model = model
-        self.id = new_id(self.id_prefix)
+        self.id = f"{self.id_prefix}-{request_id}"
         self.created = int(time.time())
         self.decode_token = decode_token  # token id -> its text, for logprobs
+        self.meter = meter  # counts the deltas before they reach the builder
         self.texts = [""] * n
         self.finish_reasons: list[str | None] = [None] * n
         self.logprobs: list[list] = [[] for _ in range(n)]
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
-        self.num_completion_tokens = 0
 
     def add(self, delta: RequestDelta) -> None:
         self.texts[delta.index] += delta.new_text
         self.finish_reasons[delta.index] = delta.finish_reason
         self.logprobs[delta.index] += delta.new_logprobs
-        self.num_prompt_tokens = delta.num_prompt_tokens
-        self.num_cached_tokens = delta.num_cached_tokens
-        self.num_completion_tokens += len(delta.new_token_ids)
 
     def chunk(self, delta: RequestDelta, want_logprobs: bool) -> dict:
         logprobs = self._logprobs(delta.new_logprobs) if want_logprobs else None
@@ -208,7 +207,7 @@ class ResponseBuilder:
                 "choices": [], "usage": self.usage()}
 
     def usage(self) -> dict:
-        return usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+        return usage(self.meter)
 
     def final(self, want_logprobs: bool) -> dict:
         choices = [{"index": i, **self._final_choice(text), "finish_reason": self.finish_reasons[i],
@@ -250,8 +249,8 @@ class CompletionResponseBuilder(ResponseBuilder):
 class ChatResponseBuilder(ResponseBuilder):
     id_prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str, n: int, decode_token):
-        super().__init__(model, n, decode_token)
+    def __init__(self, model: str, n: int, decode_token, request_id: str, meter: RequestMeter):
+        super().__init__(model, n, decode_token, request_id, meter)
         self._sent_role = [False] * n
 
     def _chunk_choice(self, delta: RequestDelta) -> dict:

@@ -1,9 +1,14 @@
 """Tenants and their API keys: who is asking, decided on the server from the key presented.
 
     tenants.yaml:
+      compute_units: {prompt_token: 1, output_token: 4, media_item: 500}   # what a request costs
       tenants:
         team-a: {keys: ["sk-a-...", "sha256:9f86d0..."], weight: 2}
-        team-b: {keys: ["sha256:..."]}
+        team-b:
+          keys: ["sha256:..."]
+          max_concurrent_requests: 8
+          max_units_per_request: 20000           # generation stops there (finish_reason "length")
+          budget: {units: 1000000, window_s: 3600}   # over a rolling hour
         ops: {keys: ["sha256:..."], admin: true}    # may read /v1/pagoda/status (pids, addresses)
 
 `pagoda serve --api-keys FILE` (or `api_keys_file:` in the Serve config) reads it once, when the
@@ -35,12 +40,35 @@ class ForbiddenError(PermissionError):
     """A tenant's key where an admin's is needed (403 / PERMISSION_DENIED)."""
 
 
+class Budget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    units: float = Field(gt=0)
+    window_s: float = Field(gt=0, description="the rolling window the units are counted over")
+
+
+class ComputeUnitPrices(BaseModel):
+    """What a request costs, deterministically: tokens and media items, each at its price."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_token: float = Field(1.0, ge=0)
+    output_token: float = Field(1.0, ge=0)
+    media_item: float = Field(0.0, ge=0, description="per image or audio clip")
+
+    def units(self, prompt_tokens: int, output_tokens: int, media_items: int) -> float:
+        return prompt_tokens * self.prompt_token + output_tokens * self.output_token + media_items * self.media_item
+
+
 class TenantConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     keys: list[str] = Field(min_length=1, description='API keys: plain, or "sha256:HEX" of the key')
     weight: float = Field(1.0, gt=0, description="share of the engine under contention, against other tenants")
     admin: bool = Field(False, description="may read the cluster's internals (/v1/pagoda/status)")
+    max_concurrent_requests: int | None = Field(None, ge=1, description="requests running at once, over all replicas")
+    max_units_per_request: float | None = Field(None, gt=0, description="compute units one request may cost")
+    budget: Budget | None = Field(None, description="compute units over a rolling window")
 
     @field_validator("keys")
     @classmethod
@@ -63,32 +91,35 @@ class TenantsFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tenants: dict[str, TenantConfig] = Field(min_length=1)
+    compute_units: ComputeUnitPrices = Field(default_factory=ComputeUnitPrices)
 
 
-def load_keys_file(path: str | Path) -> dict[str, dict]:
-    """Tenant -> {"digests": its keys' SHA-256 digests, "admin": bool}, from a keys file;
-    ValueError naming the file and what is wrong."""
+def load_keys_file(path: str | Path) -> TenantsFile:
+    """The keys file, every key turned into "sha256:HEX" of itself; ValueError naming the file
+    and what is wrong."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
-        tenants = TenantsFile.model_validate(raw).tenants
+        parsed = TenantsFile.model_validate(raw)
     except OSError as e:
         raise ValueError(f"API keys file {path}: {e.strerror}") from None
     except (yaml.YAMLError, ValidationError) as e:
         raise ValueError(f"API keys file {path}: {e}") from None
     owners: dict[str, str] = {}
-    for name, tenant in tenants.items():
+    for name, tenant in parsed.tenants.items():
         for digest in tenant.digests():
             if owners.setdefault(digest, name) != name:
                 raise ValueError(f"API keys file {path}: one key belongs to both {owners[digest]} and {name}")
-    return {name: {"digests": tenant.digests(), "admin": tenant.admin} for name, tenant in tenants.items()}
+    hashed = {name: tenant.model_copy(update={"keys": [SHA256_PREFIX + d for d in tenant.digests()]})
+              for name, tenant in parsed.tenants.items()}
+    return parsed.model_copy(update={"tenants": hashed})
 
 
 class KeyRing:
-    """Which tenant a presented key belongs to (built from what `load_keys_file` returns)."""
+    """Which tenant a presented key belongs to."""
 
-    def __init__(self, tenants: dict[str, dict]):
-        self._entries = [(bytes.fromhex(d), name) for name, t in tenants.items() for d in t["digests"]]
-        self._admins = {name for name, t in tenants.items() if t["admin"]}
+    def __init__(self, tenants: dict[str, TenantConfig]):
+        self._entries = [(bytes.fromhex(d), name) for name, t in tenants.items() for d in t.digests()]
+        self._admins = {name for name, t in tenants.items() if t.admin}
 
     def tenant(self, presented: str | None) -> str:
         if not presented:

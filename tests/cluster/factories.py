@@ -18,7 +18,8 @@ def word_tokenizer() -> Tokenizer:
 
 
 def make_request(
-    request_id: str, num_prompt_tokens: int, max_tokens: int = 16, first_token: int = 1, **params
+    request_id: str, num_prompt_tokens: int, max_tokens: int = 16, first_token: int = 1,
+    tenant: str | None = None, weight: float = 1.0, **params
 ) -> Request:
     """Prompts are runs of consecutive ids from first_token: equal first_token, shared prefix."""
     prompt = [1 + (first_token - 1 + i) % 150 for i in range(num_prompt_tokens)]
@@ -32,4 +33,6 @@ def make_request(
         detokenizer=IncrementalDetokenizer(word_tokenizer(), prompt, sampling.stop),
         eos_token_ids=(0,),
         max_model_len=4096,
+        tenant=tenant,
+        weight=weight,
     )

@@ -101,7 +101,7 @@ def test_standard_grpc_health_and_reflection(server):
         services = set(reflection.get_services())
         assert {"pagoda.v1.Inference", "grpc.health.v1.Health"} <= services
         inference = DescriptorPool(reflection).FindServiceByName("pagoda.v1.Inference")
-        assert {m.name for m in inference.methods} == {"Generate", "GetModelInfo", "Health"}
+        assert {m.name for m in inference.methods} == {"Generate", "GetModelInfo", "Health", "ListRequests", "Cancel"}
         assert inference.FindMethodByName("Generate").input_type.full_name == "pagoda.v1.GenerateRequest"
 
 

@@ -19,7 +19,7 @@ def write(tmp_path, text: str):
 def test_keys_plain_or_hashed_name_their_tenant(tmp_path):
     hashed_b = "sha256:" + hashlib.sha256(KEY_B.encode()).hexdigest().upper()
     ring = KeyRing(load_keys_file(write(tmp_path, f"tenants:\n  a: {{keys: [{KEY_A}], admin: true}}\n"
-                                                  f"  b: {{keys: ['{hashed_b}'], weight: 2}}\n")))
+                                                  f"  b: {{keys: ['{hashed_b}'], weight: 2}}\n")).tenants)
     assert ring.tenant(KEY_A) == "a" and ring.tenant(KEY_B) == "b"
     assert ring.admin(KEY_A) == "a"
     with pytest.raises(ForbiddenError):
@@ -32,8 +32,9 @@ def test_keys_plain_or_hashed_name_their_tenant(tmp_path):
 
 
 def test_the_file_never_hands_plain_keys_on(tmp_path):
-    digests = load_keys_file(write(tmp_path, f"tenants:\n  a: {{keys: [{KEY_A}]}}\n"))
-    assert digests == {"a": {"digests": [hashlib.sha256(KEY_A.encode()).hexdigest()], "admin": False}}
+    tenants = load_keys_file(write(tmp_path, f"tenants:\n  a: {{keys: [{KEY_A}]}}\n"))
+    assert tenants.tenants["a"].keys == ["sha256:" + hashlib.sha256(KEY_A.encode()).hexdigest()]
+    assert KEY_A not in tenants.model_dump_json()
 
 
 @pytest.mark.parametrize("text, reason", [
@@ -43,6 +44,8 @@ def test_the_file_never_hands_plain_keys_on(tmp_path):
     (f"tenants:\n  a: {{keys: [{KEY_A}]}}\n  b: {{keys: [{KEY_A}]}}\n", "belongs to both a and b"),
     ("tenants:\n  a: {keys: [sk-0123456789abcdef], quota: 3}\n", "quota"),
     ("tenants: [oops\n", "keys.yaml"),
+    ("tenants:\n  a: {keys: [sk-0123456789abcdef], budget: {units: 0, window_s: 60}}\n", "budget.units"),
+    ("compute_units: {prompt_tokens: 1}\ntenants:\n  a: {keys: [sk-0123456789abcdef]}\n", "prompt_tokens"),
 ])
 def test_a_bad_keys_file_is_refused_naming_the_problem(tmp_path, text, reason):
     with pytest.raises(ValueError, match=reason):
