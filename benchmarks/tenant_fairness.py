@@ -101,10 +101,11 @@ def main():
     def engine(policy: str) -> LLMEngine:
         return LLMEngine.from_config(EngineConfig(
             model=model, max_num_seqs=args.max_num_seqs, tenant_scheduling=policy,
-            max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False))
+            max_num_batched_tokens=args.max_num_batched_tokens))
 
     warm = engine("fair")
-    run(warm, [(0.0, "w", schedule["b"][0][2])], args.output_len, 30)  # first-step costs out of the figures
+    warm_prompt = [rng.randrange(100, 30000) for _ in range(args.prompt_len)]  # shares no prefix with the runs'
+    run(warm, [(0.0, "w", warm_prompt)], args.output_len, 30)  # first-step costs out of the figures
     rows = []
     for label, policy, load in (("B alone", "fair", schedule["b"]), ("A+B, fcfs", "fcfs", schedule["a"] + schedule["b"]),
                                 ("A+B, fair", "fair", schedule["a"] + schedule["b"])):

@@ -21,10 +21,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
-from cluster.serve.ingress import Ingress, build_fastapi_app
+from cluster.serve.circuit_breaker import CircuitBreakerConfig
+from cluster.serve.ingress import Ingress
 from cluster.serve.ledger import TenantLedger
 from cluster.serve.limits import InputLimits
-from cluster.serve.llm_server import LLMServer
+from cluster.serve.llm_server import LLMServer, RequestDeadline
 from cluster.serve.tenants import load_keys_file
 
 GRPC_SERVICERS = ["cluster.serve.grpc_servicer.add_inference_servicer", "cluster.serve.grpc_servicer.add_health_servicer"]
@@ -117,7 +118,9 @@ class AppConfig(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options")
     max_waiting_requests: int = Field(256, ge=1, description="beyond this, new requests get 429 / RESOURCE_EXHAUSTED")
     limits: InputLimits = Field(default_factory=InputLimits, description="what one request may ask for")
-    request_timeout_s: float | None = Field(600.0, gt=0, description="server-side deadline of a request")
+    request_timeout_s: float | None = Field(600.0, gt=0, description="the longest server-side deadline of any request")
+    request_deadline: RequestDeadline = Field(default_factory=RequestDeadline,
+                                              description="a request's deadline from its size, when its client sets none")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM or a replica stop: how long requests in flight may finish")
     torch_threads: int | None = Field(None, description="torch threads of the engine (default: all CPUs of the node)")
     llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**SERVER_DEFAULTS))
@@ -133,6 +136,10 @@ class AppConfig(BaseModel):
     front_door_dir: str | None = Field(None, description="set by `pagoda serve`: where the ingress tells the front door")
     api_keys_file: str | None = Field(None, description="tenants and their API keys (cluster/serve/tenants.py); "
                                       "none: the server is open to anyone who reaches it")
+    cors_allowed_origins: list[str] = Field(default_factory=list, description="origins whose browser pages may call "
+                                            "the HTTP API (CORS); none: CORS off")
+    circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig,
+                                                  description="per backend, in each ingress replica")
     usage_log: str | None = Field(None, description="append-only JSON lines, one per request that ended, on the "
                                   "TenantLedger's node (`pagoda usage FILE` sums them per tenant); none: no log")
 
@@ -182,7 +189,7 @@ def check_app_args(args: dict) -> tuple[AppConfig, dict | None, dict]:
 def build_app(args: dict | None = None):
     config, prefill_engine, decode_engine = check_app_args(args or {})
     common = dict(max_waiting_requests=config.max_waiting_requests, request_timeout_s=config.request_timeout_s,
-                  torch_threads=config.torch_threads)
+                  request_deadline=config.request_deadline.model_dump(), torch_threads=config.torch_threads)
     prefill_server = None
     # Serve waits this long for a stopping replica's requests (then LLMServer.shutdown ends the
     # rest with an error); the ingress a little longer, so it can still relay that error.
@@ -201,11 +208,12 @@ def build_app(args: dict | None = None):
     tenants = load_keys_file(config.api_keys_file) if config.api_keys_file else None
     ledger = serve.deployment(TenantLedger, name="TenantLedger", **LEDGER_OPTIONS).bind(
         tenants=tenants, usage_log=config.usage_log)
-    ingress_cls = serve.ingress(build_fastapi_app)(Ingress)
+    ingress_cls = serve.ingress()(Ingress)  # the HTTP app: Ingress.__serve_build_asgi_app__
     ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
     return serve.deployment(ingress_cls, name="Ingress", **ingress_options).bind(
         llm_server, ledger, limits=config.limits.model_dump(), max_pending_requests=max_pending_requests(config),
-        front_door_dir=config.front_door_dir, encoder_server=encoder_server(config, decode_engine), tenants=tenants)
+        front_door_dir=config.front_door_dir, encoder_server=encoder_server(config, decode_engine), tenants=tenants,
+        circuit_breaker=config.circuit_breaker.model_dump(), cors_allowed_origins=config.cors_allowed_origins)
 
 
 def encoder_server(config: AppConfig, engine: dict):

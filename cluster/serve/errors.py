@@ -32,6 +32,9 @@ class QuotaExceededError(RuntimeError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self):  # it crosses Ray (to Serve's proxy) pickled
+        return type(self), (str(self), self.retry_after_s)
+
 
 class DuplicateRequestError(ValueError):
     """The tenant already runs a request of this id (409 / ALREADY_EXISTS)."""

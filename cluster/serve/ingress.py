@@ -21,7 +21,9 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import re
+import time
 import uuid
 
 import grpc
@@ -47,6 +49,7 @@ from cluster.serve.errors import (
     UnsupportedMediaTypeError,
     WorkerLostError,
 )
+from cluster.serve.circuit_breaker import CircuitBreaker, CircuitBreakerConfig, CircuitOpenError
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.front_door import FrontDoorFlag
 from cluster.serve.ledger import Admission, RequestMeter, RequestSize
@@ -75,6 +78,7 @@ logger = logging.getLogger("pagoda.ingress")
 JSON_CONTENT_TYPES = ("application/json", "application/x-www-form-urlencoded", "text/plain", "")
 HEALTH_SERVICES = ("", pb.DESCRIPTOR.services_by_name["Inference"].full_name)  # "": the server as a whole
 HEALTH_TIMEOUT_S = 1.0
+TIMEOUT_HEADER = "x-request-timeout-seconds"
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 @functools.cache
@@ -95,8 +99,18 @@ def _error_table() -> list[tuple[tuple[type, ...], int, str, grpc.StatusCode]]:
         ((QuotaExceededError, EngineOverloadedError, BackPressureError), 429, "rate_limit_error", codes.RESOURCE_EXHAUSTED),
         ((RequestTimeoutError, TimeoutError), 504, "timeout_error", codes.DEADLINE_EXCEEDED),
         ((RequestFailedError,), 500, "internal_error", codes.INTERNAL),
-        ((WorkerLostError, ServerDrainingError), 503, "service_unavailable", codes.UNAVAILABLE),
+        ((WorkerLostError, ServerDrainingError, CircuitOpenError), 503, "service_unavailable", codes.UNAVAILABLE),
     ]
+
+
+def _is_backend_failure(exc: BaseException) -> bool:
+    """The backend's fault (what a circuit breaker counts), not the client's."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    cause = getattr(exc, "cause", None) or exc
+    return isinstance(cause, (WorkerLostError, RequestFailedError, RequestTimeoutError, RayActorError,
+                              DeploymentUnavailableError))
 
 
 def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
@@ -127,7 +141,7 @@ def _retry_after(exc: BaseException, status: int) -> dict | None:
     if status not in (429, 503):
         return None
     seconds = getattr(getattr(exc, "cause", None) or exc, "retry_after_s", None) or 1
-    return {"Retry-After": str(int(seconds))}
+    return {"Retry-After": str(math.ceil(seconds))}
 
 
 def refuse(admission: Admission) -> None:
@@ -138,6 +152,21 @@ def refuse(admission: Admission) -> None:
         raise InvalidRequestError("max_tokens", admission.reason)
     if admission.refusal == "duplicate":
         raise DuplicateRequestError(admission.reason)
+
+
+def client_timeout(headers) -> float | None:
+    """The client's deadline in seconds (Serve's own `x-request-timeout-seconds` header, which its
+    HTTP proxy enforces too); None: the server derives one from the request's size."""
+    value = headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise InvalidRequestError(TIMEOUT_HEADER, "must be a number of seconds") from None
+    if not 0 < seconds < math.inf:
+        raise InvalidRequestError(TIMEOUT_HEADER, "must be a positive number of seconds")
+    return seconds
 
 
 def checked_request_id(value: str | None, field: str) -> str:
@@ -152,8 +181,10 @@ def checked_request_id(value: str | None, field: str) -> str:
 class Ingress:
     def __init__(self, llm_server, ledger, model_name: str | None = None, limits: dict | None = None,
                  max_pending_requests: int = 256, front_door_dir: str | None = None, encoder_server=None,
-                 tenants: TenantsFile | None = None):
+                 tenants: TenantsFile | None = None, circuit_breaker: dict | None = None,
+                 cors_allowed_origins: list[str] | None = None):
         self.llm = llm_server  # DeploymentHandle to LLMServer
+        self.cors_allowed_origins = list(cors_allowed_origins or [])  # browsers' origins allowed to call
         # DeploymentHandle to the TenantLedger: admission under the tenants' limits, usage,
         # cancellation by id (cluster/serve/ledger.py)
         self.ledger = ledger
@@ -167,6 +198,9 @@ class Ingress:
         self._streams: dict[tuple[str, str], object] = {}
         self._cancelled: set[tuple[str, str]] = set()
         self._cancellation_watch: asyncio.Task | None = None
+        breaker = CircuitBreakerConfig.model_validate(circuit_breaker or {})
+        self._llm_breaker = CircuitBreaker("the model server", breaker)
+        self._encoder_breaker = CircuitBreaker("the media encoder", breaker)
         # DeploymentHandle to an EncoderServer (encoder: deployment): media is encoded there before
         # the LLMServer sees the request; None: the LLMServer's engine encodes it (colocated).
         self.encoder_server = encoder_server
@@ -186,6 +220,10 @@ class Ingress:
         self._media_metrics: MediaMetrics | None = None
         self._info: dict | None = None
         self._init_lock = asyncio.Lock()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Serve calls this in the replica once the Ingress exists (serve.ingress() without an app)."""
+        return build_fastapi_app(self)
 
     async def _ready(self) -> PromptEncoder:
         """Ask the LLMServer what it serves once, then tokenize here, off the engine's thread."""
@@ -262,8 +300,13 @@ class Ingress:
             token_ids = await loop.run_in_executor(self._tokenizer_thread, encoder.encode, prompt, messages)
         encoder.check(token_ids, params.max_tokens)
         size = RequestSize(len(token_ids), len(media), params.n, params.max_tokens)
-        admission = await self.ledger.admit.remote(tenant, request_id, self._replica, size)
-        refuse(admission)
+        probe = self._llm_breaker.before_call()  # a failing model server: refused here, at once
+        try:
+            admission = await self.ledger.admit.remote(tenant, request_id, self._replica, size)
+            refuse(admission)
+        except BaseException:
+            self._llm_breaker.forget(probe)
+            raise
         self._watch_cancellations()
         meter = RequestMeter(self._prices, len(media), admission.units_limit)
         if admission.max_tokens != params.max_tokens:
@@ -272,29 +315,43 @@ class Ingress:
             if media:
                 self._media_metrics.record_items(media)
                 if self.encoder_server is not None:
-                    media = await self.encoder_server.encode.remote(media)
+                    media = await self._encode(media)
             request = GenerationRequest(request_id, token_ids, params, timeout_s, media, tenant, cache_salt,
                                         self._weights.get(tenant, 1.0))
             stream = self.llm.options(stream=True).generate.remote(request)
         except BaseException:
+            self._llm_breaker.forget(probe)
             self._finish(tenant, request_id, meter, "error")
             raise
-        deltas = self._metered(tenant, request_id, meter, stream)
+        deltas = self._metered(tenant, request_id, meter, stream, probe)
         # After a last delta the stream simply ends, so callers iterate `deltas` as is.
         return await deltas.__anext__(), deltas, meter
 
-    async def _metered(self, tenant: str | None, request_id: str, meter: RequestMeter, stream):
+    async def _encode(self, media):
+        probe = self._encoder_breaker.before_call()
+        try:
+            encoded = await self.encoder_server.encode.remote(media)
+        except BaseException as e:
+            self._encoder_breaker.record(probe, failed=_is_backend_failure(e))
+            raise
+        self._encoder_breaker.record(probe, failed=False)
+        return encoded
+
+    async def _metered(self, tenant: str | None, request_id: str, meter: RequestMeter, stream, probe: bool):
         """The LLMServer's deltas, counted by the meter. A consumer that stops early (client
         gone, request cancelled) cancels the LLMServer call, which aborts the request there: Serve
         would too when the cancellation lands while we wait on the LLMServer, but not when it lands
         while a chunk is being written to the client. A cancellation by the tenant (through the
         ledger) cancels the call the same way and ends the stream with RequestCancelledError.
-        At the end, whatever it was, the ledger charges what the meter counted."""
+        At the end, whatever it was, the ledger charges what the meter counted, and the model
+        server's circuit breaker learns whether it failed (and how long the first token took)."""
         key = (tenant or "", request_id)
         self._streams[key] = stream
-        outcome = "abandoned"
+        outcome, failure, started, first_token_s = "abandoned", None, time.monotonic(), None
         try:
             async for delta in stream:
+                if first_token_s is None:
+                    first_token_s = time.monotonic() - started
                 meter.count(delta)
                 yield delta
             outcome = "ok"
@@ -302,13 +359,17 @@ class Ingress:
             if key in self._cancelled:
                 outcome = "cancelled"
                 raise RequestCancelledError(f"request {request_id} was cancelled by its tenant") from None
-            outcome = "error" if isinstance(e, Exception) else outcome
+            outcome, failure = ("error", e) if isinstance(e, Exception) else (outcome, None)
             raise
         finally:
             del self._streams[key]
             self._cancelled.discard(key)
             if outcome == "abandoned":
                 stream.cancel()
+            if outcome == "ok" or (failure is not None and _is_backend_failure(failure)):
+                self._llm_breaker.record(probe, failed=outcome != "ok", latency_s=first_token_s)
+            else:
+                self._llm_breaker.forget(probe)
             self._finish(tenant, request_id, meter, outcome)
 
     def _finish(self, tenant: str | None, request_id: str, meter: RequestMeter, outcome: str) -> None:
@@ -478,6 +539,10 @@ class Ingress:
         stats = await self.llm.stats.remote()
         if self.encoder_server is not None:
             stats["encoder"] = await self.encoder_server.stats.remote()
+        # this ingress replica's breakers
+        stats["circuit_breakers"] = {"LLMServer": self._llm_breaker.describe()}
+        if self.encoder_server is not None:
+            stats["circuit_breakers"]["EncoderServer"] = self._encoder_breaker.describe()
         return stats
 
     async def status(self):
@@ -535,7 +600,7 @@ class Ingress:
                 prompt, messages, params, want_logprobs = inputs(request)
                 request_id = checked_request_id(request.request_id or raw.headers.get("x-request-id"), "request_id")
                 first, deltas, meter = await self._submit(prompt, messages, params, tenant, request_id,
-                                                          request.cache_salt or None)
+                                                          request.cache_salt or None, client_timeout(raw.headers))
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"])
@@ -638,12 +703,10 @@ def _http_error(status: int, message: str, kind: str, param: str | None = None, 
     return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
 
 
-def build_fastapi_app() -> FastAPI:
-    """The HTTP routes, built inside the replica (serve.ingress is given this function): each
-    route calls the replica's Ingress instance. Building the app there avoids shipping a FastAPI
-    app object through Ray's pickling."""
-    from ray import serve
-
+def build_fastapi_app(ingress: Ingress) -> FastAPI:
+    """The HTTP routes of one replica's Ingress (built in the replica, after the Ingress, by its
+    __serve_build_asgi_app__: no FastAPI app object goes through Ray's pickling). CORS is off
+    unless origins are configured."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
@@ -675,49 +738,53 @@ def build_fastapi_app() -> FastAPI:
         status, kind, _, message = _error_kind(exc)
         return _http_error(status, message, kind)
 
-    def ingress() -> Ingress:
-        return serve.get_replica_context().servable_object
+    if ingress.cors_allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=ingress.cors_allowed_origins,
+                           allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id", TIMEOUT_HEADER])
 
     def tenant(authorization: str | None = Header(None)) -> str | None:
         """Every route but /health: the caller's tenant, from its key (401 without one)."""
-        return ingress().authenticate(authorization)
+        return ingress.authenticate(authorization)
 
     def admin(authorization: str | None = Header(None)) -> str | None:
         """The cluster's internals (pids, node addresses): an admin's key (403 for a tenant's)."""
-        return ingress().authenticate_admin(authorization)
+        return ingress.authenticate_admin(authorization)
 
     @app.get("/health")
     async def health():
-        return await ingress().health()
+        return await ingress.health()
 
     @app.get("/v1/models", dependencies=[Depends(tenant)])
     async def models():
-        return await ingress().models()
+        return await ingress.models()
 
     @app.get("/v1/pagoda/stats", dependencies=[Depends(tenant)])
     async def stats():
-        return await ingress().stats()
+        return await ingress.stats()
 
     @app.get("/v1/pagoda/status", dependencies=[Depends(admin)])
     async def status():
-        return await ingress().status()
+        return await ingress.status()
 
     @app.get("/v1/pagoda/requests")
     async def running_requests(caller: str | None = Depends(tenant)):
         """The caller's tenant's running requests (ids scoped by tenant)."""
-        return {"object": "list", "data": await ingress().running_requests(caller)}
+        return {"object": "list", "data": await ingress.running_requests(caller)}
 
     @app.delete("/v1/pagoda/requests/{request_id}")
     async def cancel_request(request_id: str, caller: str | None = Depends(tenant)):
         """Stop one of the caller's tenant's requests: its stream ends with a `cancelled` error."""
-        return await ingress().cancel_request(caller, request_id)
+        return await ingress.cancel_request(caller, request_id)
 
     @app.post("/v1/completions")
     async def completions(raw: Request, caller: str | None = Depends(tenant)):
-        return await ingress().completions(raw, caller)
+        return await ingress.completions(raw, caller)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request, caller: str | None = Depends(tenant)):
-        return await ingress().chat_completions(raw, caller)
+        return await ingress.chat_completions(raw, caller)
 
     return app

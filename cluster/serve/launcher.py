@@ -14,6 +14,7 @@ import yaml
 
 from cluster.ports import free_port
 from cluster.serve import drain as drain_module
+from cluster.serve import grpc_bind
 from cluster.serve.app import GRPC_SERVICERS, build_app, check_app_args, max_pending_requests
 from cluster.serve.placement import check_fit, cluster_nodes
 from cluster.serve.front_door import FrontDoor
@@ -65,6 +66,7 @@ def start(
             ray.init(
                 address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                 _metrics_export_port=metrics_port,  # Prometheus scrapes Pagoda's metrics here
+                runtime_env=grpc_bind.runtime_env("127.0.0.1"),  # Serve's gRPC proxy on loopback too
             )
             # This cluster cannot grow: a shape that does not fit it fails now, not after Serve's retries.
             check_fit(config, prefill_engine, decode_engine, cluster_nodes())

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
@@ -45,6 +46,21 @@ from cluster.serve.metrics import EngineMetrics, MediaMetrics, start_gpu_telemet
 logger = logging.getLogger("pagoda.llm_server")
 
 
+class RequestDeadline(BaseModel):
+    """A request's server-side deadline when its client sets none: time in proportion to its size,
+    so that a short request that hangs is stopped long before a long one would be. No deadline is
+    ever longer than the server's request_timeout_s."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_s: float = Field(120.0, gt=0, description="for queueing and the first step, whatever the size")
+    per_prompt_token_s: float = Field(0.02, ge=0)
+    per_output_token_s: float = Field(0.5, ge=0, description="per token of max_tokens, for each of n candidates")
+
+    def for_size(self, prompt_tokens: int, output_tokens: int) -> float:
+        return self.base_s + prompt_tokens * self.per_prompt_token_s + output_tokens * self.per_output_token_s
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """What the ingress hands to the LLMServer: already tokenized and validated."""
@@ -52,7 +68,7 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    timeout_s: float | None = None
+    timeout_s: float | None = None  # the client's; None: RequestDeadline's for its size
     # Images or audio clips in the order of their placeholders in the prompt: with embeddings when
     # an EncoderServer encoded them, else the processor's output, encoded by this server's engine.
     media: list[MediaItem] = field(default_factory=list)
@@ -103,9 +119,11 @@ class LLMServer:
         request_timeout_s: float | None = 600.0,
         torch_threads: int | None = None,
         prefill_server=None,
+        request_deadline: dict | None = None,
     ):
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout_s = request_timeout_s
+        self.request_deadline = RequestDeadline.model_validate(request_deadline or {})
         self.prefill_server = prefill_server  # a DeploymentHandle when prefill is disaggregated
         self._worker_lost: str | None = None  # why the engine can no longer run, if it cannot
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -167,7 +185,7 @@ class LLMServer:
 
     async def _generate(self, request: GenerationRequest, arrival: float, export_kv: bool = False, prefilled=None):
         self._check_admission(request)
-        timeout = request.timeout_s or self.request_timeout_s
+        timeout = self._timeout(request)
         stream = _Stream(
             asyncio.get_running_loop(), asyncio.Queue(), arrival + timeout if timeout else None,
             request.params.n, arrival=arrival,
@@ -190,6 +208,14 @@ class LLMServer:
         finally:
             if not finished:
                 self._send(("abort", request_id))
+
+    def _timeout(self, request: GenerationRequest) -> float:
+        wanted = request.timeout_s
+        if wanted is None:
+            num_prompt = len(request.prompt_token_ids)
+            max_tokens = request.params.max_tokens or max(self.engine.max_model_len - num_prompt, 0)
+            wanted = self.request_deadline.for_size(num_prompt, max_tokens * request.params.n)
+        return min(wanted, self.request_timeout_s) if self.request_timeout_s else wanted
 
     def model_info(self) -> dict:
         engine = self.engine

@@ -160,12 +160,13 @@ def test_disaggregated_prefill_tp2_decode_tp1_matches_hf(server_with_model, refe
     assert set(report["deployments"]) == {"Ingress", "PrefillServer", "LLMServer"}
 
 
-def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_and_serve_recovers(server_with_model):
+def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_opens_the_breaker_and_serve_recovers(server_with_model):
     long_answer = grpc_request({"prompt": "Write a long story about a lighthouse keeper."},
                                max_tokens=400, ignore_eos=True)
     prefill_server = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 1}
     with deployed(server_with_model, "pagoda-kill", "/kill", disaggregated=True, prefill_server=prefill_server,
-                  engine=TP2, prefill_engine={"tensor_parallel_size": 1}) as app:
+                  engine=TP2, prefill_engine={"tensor_parallel_size": 1},
+                  circuit_breaker={"min_requests": 2, "window_s": 60, "open_s": 2}) as app:
         # Prompts sharing a long prefix all go to the prefill replica that has it cached.
         for question in ("Summarize it.", "What is it about?", "Name one topic in it."):
             answer(app, grpc_request({"prompt": DOC[:2000] + "\n" + question}, max_tokens=2))
@@ -197,17 +198,24 @@ def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_and_serve_recov
             time.sleep(0.2)
 
         # Serve replaces the unhealthy decode replica (and its workers); then requests succeed.
+        # The ingress's circuit breaker opens on those failures: later requests are refused at once,
+        # without reaching the broken replica, until a probe succeeds.
         short = grpc_request({"prompt": "The capital of France is"}, max_tokens=8)
         deadline = time.monotonic() + 240
+        refusals = []
         while True:
             try:
                 tokens = answer(app, short, timeout=60)
                 break
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()  # never anything else
+                refusals.append(e.details())
                 assert time.monotonic() < deadline, "Serve did not replace the decode replica"
-                time.sleep(1)
+                time.sleep(0.5)
         assert len(tokens) == 8
+        assert any("circuit breaker open" in r for r in refusals), refusals
+        breaker = requests.get(f"{app['http']}/v1/pagoda/stats", timeout=60).json()["circuit_breakers"]["LLMServer"]
+        assert breaker["state"] == "closed"  # the probe that succeeded closed it
         assert grpc_health(app) == "SERVING"
         groups = {g["deployment"]: g for g in status(app)["groups"]}
         new_pids = {r["pid"] for r in groups["LLMServer"]["ranks"]}

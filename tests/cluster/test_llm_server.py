@@ -38,6 +38,21 @@ def test_deadline_stops_the_request_and_frees_its_blocks(make_server):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+def test_without_a_client_deadline_a_request_gets_one_for_its_size(make_server):
+    """2,000 tokens at 1 ms each + 1 s: stopped after ~3 s, far under the 600 s cap; a client's
+    own deadline is kept as given."""
+    import time
+
+    server = make_server(request_timeout_s=600, request_deadline={"base_s": 1.0, "per_output_token_s": 0.001})
+    started = time.monotonic()
+    with pytest.raises(RequestTimeoutError):
+        asyncio.run(drain(server, GenerationRequest("big", [1, 2, 3, 4], LONG)))
+    assert time.monotonic() - started < 30
+    short = GenerationRequest("short", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0), timeout_s=300)
+    assert server._timeout(short) == 300 and server._timeout(GenerationRequest("c", [1], LONG, timeout_s=900)) == 600
+    assert server._timeout(GenerationRequest("d", [1] * 10, SamplingParams(max_tokens=10, n=2))) == pytest.approx(1.22)
+
+
 def test_a_caller_that_goes_away_aborts_its_request(make_server):
     server = make_server()
 

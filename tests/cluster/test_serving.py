@@ -77,6 +77,24 @@ def test_grpc_model_info_and_health(stub, server):
     assert stub.Health(pb.HealthRequest()).healthy
 
 
+def test_the_grpc_and_http_proxies_listen_on_loopback_only(server):
+    """Serve binds its gRPC proxy to every interface unless told otherwise (cluster/serve/grpc_bind.py)."""
+    import ipaddress
+
+    import psutil
+
+    ports = {int(server["grpc"].rsplit(":", 1)[1]), int(server["http"].rsplit(":", 1)[1])}
+    listening = [c.laddr for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port in ports]
+    assert {address.port for address in listening} == ports
+
+    def loopback(ip: str) -> bool:  # gRPC's socket is IPv6 with the IPv4 loopback mapped in
+        address = ipaddress.ip_address(ip)
+        return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+    assert all(loopback(address.ip) for address in listening), listening
+
+
 def test_standard_grpc_health_and_reflection(server):
     """What Kubernetes gRPC probes, grpc_health_probe and grpcurl call, without Pagoda's proto."""
     from google.protobuf.descriptor_pool import DescriptorPool

@@ -1,0 +1,86 @@
+"""Tool calling (OpenAI `tools` / `tool_choice`): the tools reach the model through its chat
+template, a forced call is generated under a JSON schema (structured output), and the answer is
+parsed back into `tool_calls`.
+
+    tool_choice "none"      the tools are not offered; plain text
+                "auto"      offered; the answer is a tool call if it parses as one, else text
+                "required"  offered; the answer is a call of one of them: {"name", "arguments"}
+                {"type": "function", "function": {"name": N}}   a call of N
+
+A template that knows tools (it reads a `tools` variable) is given them; one that does not (the
+default model's) gets them described in the system message, with the JSON form of a call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from cluster.engine.errors import InvalidRequestError
+from cluster.engine.structured_output import StructuredOutput
+
+TOOL_CALL_TAGS = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def forced_call(tools: list[dict], tool_choice) -> StructuredOutput | None:
+    """The structured output that makes the answer a call, for "required" or a named function."""
+    if tool_choice == "required":
+        schemas = [_call_schema(tool) for tool in tools]
+        return StructuredOutput("json_schema", json.dumps({"anyOf": schemas} if len(schemas) > 1 else schemas[0]),
+                                field="tool_choice")
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        chosen = [tool for tool in tools if tool["function"]["name"] == name]
+        if not chosen:
+            raise InvalidRequestError("tool_choice", f"names the function {name!r}, which is not in tools")
+        return StructuredOutput("json_schema", json.dumps(_call_schema(chosen[0])), field="tool_choice")
+    return None
+
+
+def _call_schema(tool: dict) -> dict:
+    function = tool["function"]
+    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+            "properties": {"name": {"const": function["name"]},
+                           "arguments": function.get("parameters") or {"type": "object"}}}
+
+
+def offer_tools(messages: list[dict], tools: list[dict], template_knows_tools: bool) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools for the template): earlier calls written into their assistant messages,
+    and the tools either for the template or described in the system message."""
+    messages = [_with_calls_as_text(m) for m in messages]
+    if template_knows_tools:
+        return messages, tools
+    described = ("You can call these functions. To call one, answer with only a JSON object "
+                 '{"name": <function name>, "arguments": <its arguments>}.\n'
+                 + "\n".join(json.dumps(tool["function"]) for tool in tools))
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + described}, *messages[1:]], None
+    return [{"role": "system", "content": described}, *messages], None
+
+
+def _with_calls_as_text(message: dict) -> dict:
+    calls = message.pop("tool_calls", None)
+    if not calls or message.get("content"):
+        return message
+    return {**message, "content": "\n".join(
+        json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"] or "{}")})
+        for c in calls)}
+
+
+def parse_tool_calls(text: str, tools: list[dict]) -> list[dict] | None:
+    """OpenAI tool_calls from an answer that is one call (or several, in <tool_call> tags) of the
+    offered functions; None when it is not."""
+    names = {tool["function"]["name"] for tool in tools}
+    pieces = TOOL_CALL_TAGS.findall(text) or [text]
+    calls = []
+    for piece in pieces:
+        try:
+            call = json.loads(piece)
+        except json.JSONDecodeError:
+            return None
+        if not (isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}), dict)):
+            return None
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+    return calls
