@@ -27,6 +27,9 @@ class SamplingRow:
     top_k: int = 0  # 0 means no limit
     generator: torch.Generator | None = None
     num_logprobs: int | None = None  # None: not asked for
+    # Structured output: the tokens allowed next, as xgrammar's packed bitmask (int32 words, a bit
+    # per token); None: any token.
+    allowed_tokens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -45,7 +48,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int | No
     (non-finite numbers) gets None for its token and its logprobs."""
     if any(not is_greedy(row) or row.num_logprobs is not None for row in rows):
         logits = logits.cpu()  # seeded draws use CPU generators: the same tokens on every device
-    good = torch.isfinite(logits).all(dim=-1).tolist()
+    good = torch.isfinite(logits).all(dim=-1).tolist()  # before the grammars' -inf
+    _allow_only(logits, rows)
     token_ids = logits.max(dim=-1).indices  # the first maximum, as argmax; faster on CPU
     random_rows = [i for i, row in enumerate(rows) if not is_greedy(row) and good[i]]
     if random_rows:
@@ -59,6 +63,17 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int | No
                 good[i] = False
     token_list: list[int | None] = [t if ok else None for t, ok in zip(token_ids.tolist(), good)]
     return token_list, _logprobs(logits, token_list, rows)
+
+
+def _allow_only(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """-inf for the tokens a row's grammar does not allow, every constrained row in one call."""
+    constrained = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
+    if not constrained:
+        return
+    import xgrammar
+
+    bitmask = torch.stack([rows[i].allowed_tokens for i in constrained]).to(logits.device)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=constrained)
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

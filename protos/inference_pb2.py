@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/inference.proto\x12\tpagoda.v1\"C\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x12\x0f\n\x05\x61udio\x18\x03 \x01(\x0cH\x00\x42\t\n\x07\x63ontent\"7\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1e\n\x05parts\x18\x02 \x03(\x0b\x32\x0f.pagoda.v1.Part\"\xae\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x0e\n\x01n\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\x9c\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.pagoda.v1.Message\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.pagoda.v1.TopLogprob\"\x83\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x15\n\rcompute_units\x18\x08 \x01(\x01\x12 \n\x13\x63ompute_units_limit\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x16\n\x14_compute_units_limit\"\x15\n\x13GetModelInfoRequest\"\x87\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nmodalities\x18\x06 \x03(\t\"\x15\n\x13ListRequestsRequest\"5\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x03\":\n\x0bRequestList\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.pagoda.v1.RunningRequest\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x0e\x43\x61ncelResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rHealthRequest\"1\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t2\xde\x02\n\tInference\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.pagoda.v1.GetModelInfoRequest\x1a\x14.pagoda.v1.ModelInfo\x12=\n\x06Health\x12\x18.pagoda.v1.HealthRequest\x1a\x19.pagoda.v1.HealthResponse\x12\x46\n\x0cListRequests\x12\x1e.pagoda.v1.ListRequestsRequest\x1a\x16.pagoda.v1.RequestList\x12=\n\x06\x43\x61ncel\x12\x18.pagoda.v1.CancelRequest\x1a\x19.pagoda.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/inference.proto\x12\tpagoda.v1\"C\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x12\x0f\n\x05\x61udio\x18\x03 \x01(\x0cH\x00\x42\t\n\x07\x63ontent\"7\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1e\n\x05parts\x18\x02 \x03(\x0b\x32\x0f.pagoda.v1.Part\"\xae\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x0e\n\x01n\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\xd0\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.pagoda.v1.Message\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x32\n\x0fresponse_format\x18\x06 \x01(\x0b\x32\x19.pagoda.v1.ResponseFormat\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.pagoda.v1.TopLogprob\"\x83\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x15\n\rcompute_units\x18\x08 \x01(\x01\x12 \n\x13\x63ompute_units_limit\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x16\n\x14_compute_units_limit\"\x15\n\x13GetModelInfoRequest\"\x87\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nmodalities\x18\x06 \x03(\t\"\x15\n\x13ListRequestsRequest\"5\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x03\":\n\x0bRequestList\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.pagoda.v1.RunningRequest\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x0e\x43\x61ncelResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rHealthRequest\"1\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t2\xde\x02\n\tInference\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.pagoda.v1.GetModelInfoRequest\x1a\x14.pagoda.v1.ModelInfo\x12=\n\x06Health\x12\x18.pagoda.v1.HealthRequest\x1a\x19.pagoda.v1.HealthResponse\x12\x46\n\x0cListRequests\x12\x1e.pagoda.v1.ListRequestsRequest\x1a\x16.pagoda.v1.RequestList\x12=\n\x06\x43\x61ncel\x12\x18.pagoda.v1.CancelRequest\x1a\x19.pagoda.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,31 +38,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=164
   _globals['_SAMPLINGPARAMS']._serialized_end=466
   _globals['_GENERATEREQUEST']._serialized_start=469
-  _globals['_GENERATEREQUEST']._serialized_end=625
-  _globals['_TOPLOGPROB']._serialized_start=627
-  _globals['_TOPLOGPROB']._serialized_end=674
-  _globals['_TOKENLOGPROB']._serialized_start=676
-  _globals['_TOKENLOGPROB']._serialized_end=761
-  _globals['_GENERATERESPONSE']._serialized_start=764
-  _globals['_GENERATERESPONSE']._serialized_end=1023
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1025
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1046
-  _globals['_MODELINFO']._serialized_start=1049
-  _globals['_MODELINFO']._serialized_end=1184
-  _globals['_LISTREQUESTSREQUEST']._serialized_start=1186
-  _globals['_LISTREQUESTSREQUEST']._serialized_end=1207
-  _globals['_RUNNINGREQUEST']._serialized_start=1209
-  _globals['_RUNNINGREQUEST']._serialized_end=1262
-  _globals['_REQUESTLIST']._serialized_start=1264
-  _globals['_REQUESTLIST']._serialized_end=1322
-  _globals['_CANCELREQUEST']._serialized_start=1324
-  _globals['_CANCELREQUEST']._serialized_end=1359
-  _globals['_CANCELRESPONSE']._serialized_start=1361
-  _globals['_CANCELRESPONSE']._serialized_end=1397
-  _globals['_HEALTHREQUEST']._serialized_start=1399
-  _globals['_HEALTHREQUEST']._serialized_end=1414
-  _globals['_HEALTHRESPONSE']._serialized_start=1416
-  _globals['_HEALTHRESPONSE']._serialized_end=1465
-  _globals['_INFERENCE']._serialized_start=1468
-  _globals['_INFERENCE']._serialized_end=1818
+  _globals['_GENERATEREQUEST']._serialized_end=677
+  _globals['_RESPONSEFORMAT']._serialized_start=679
+  _globals['_RESPONSEFORMAT']._serialized_end=730
+  _globals['_TOPLOGPROB']._serialized_start=732
+  _globals['_TOPLOGPROB']._serialized_end=779
+  _globals['_TOKENLOGPROB']._serialized_start=781
+  _globals['_TOKENLOGPROB']._serialized_end=866
+  _globals['_GENERATERESPONSE']._serialized_start=869
+  _globals['_GENERATERESPONSE']._serialized_end=1128
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1130
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1151
+  _globals['_MODELINFO']._serialized_start=1154
+  _globals['_MODELINFO']._serialized_end=1289
+  _globals['_LISTREQUESTSREQUEST']._serialized_start=1291
+  _globals['_LISTREQUESTSREQUEST']._serialized_end=1312
+  _globals['_RUNNINGREQUEST']._serialized_start=1314
+  _globals['_RUNNINGREQUEST']._serialized_end=1367
+  _globals['_REQUESTLIST']._serialized_start=1369
+  _globals['_REQUESTLIST']._serialized_end=1427
+  _globals['_CANCELREQUEST']._serialized_start=1429
+  _globals['_CANCELREQUEST']._serialized_end=1464
+  _globals['_CANCELRESPONSE']._serialized_start=1466
+  _globals['_CANCELRESPONSE']._serialized_end=1502
+  _globals['_HEALTHREQUEST']._serialized_start=1504
+  _globals['_HEALTHREQUEST']._serialized_end=1519
+  _globals['_HEALTHRESPONSE']._serialized_start=1521
+  _globals['_HEALTHRESPONSE']._serialized_end=1570
+  _globals['_INFERENCE']._serialized_start=1573
+  _globals['_INFERENCE']._serialized_end=1923
 # @@protoc_insertion_point(module_scope)

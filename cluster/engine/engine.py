@@ -18,6 +18,7 @@ and again, mean the engine itself is broken (`is_broken`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -140,6 +141,9 @@ class LLMEngine:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
         backend = self.tokenizer.backend_tokenizer
+        structured = params.structured_output
+        if structured is not None:
+            self.grammars.compile(structured)  # a spec that cannot compile fails here, before any child
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -158,6 +162,7 @@ class LLMEngine:
                     salt=salt,
                     tenant=tenant,
                     weight=weight,
+                    grammar=self.grammars.matcher(structured) if structured is not None else None,
                     media=media,
                     media_segments=segments,
                 )
@@ -308,7 +313,24 @@ class LLMEngine:
                     embeds=step_embeds(request.media_segments, request.media, start, start + s.num_new_tokens),
                 )
             )
+        self._constrain(plan, inputs)
         return inputs
+
+    def _constrain(self, plan: SchedulerPlan, inputs: list[SequenceInput]) -> None:
+        """Structured output: the tokens each constrained request may sample, one bitmask for all."""
+        constrained = [i for i, s in enumerate(plan.scheduled) if s.samples and s.request.grammar is not None]
+        if not constrained:
+            return
+        bitmask = self.grammars.bitmasks([plan.scheduled[i].request.grammar for i in constrained])
+        for row, i in enumerate(constrained):
+            inputs[i].sampling.allowed_tokens = bitmask[row]
+
+    @functools.cached_property
+    def grammars(self):
+        """xgrammar's compiler for this tokenizer and vocabulary (built on the first structured request)."""
+        from cluster.engine.structured_output import Grammars
+
+        return Grammars(self.tokenizer, self.model_config.vocab_size)
 
     def update(self, plan: SchedulerPlan, output: StepOutput) -> list[RequestDelta]:
         # Failed requests end first: their blocks (whose KV may be bad) are never cached.

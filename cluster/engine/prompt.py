@@ -23,14 +23,15 @@ class PromptEncoder:
         longest_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = max_model_len * longest_token_chars
 
-    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+               tools: list[dict] | None = None) -> list[int]:
         """`tokenizer(prompt)` for raw text, the chat template with a generation prompt for
-        messages, or token ids as given; then `check`."""
+        messages (and `tools`, for a template that reads them), or token ids as given; then `check`."""
         if messages is not None:
             check_messages(messages)
             self._check_length("messages", sum(len(m["content"]) for m in messages))
             try:
-                encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                encoded = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
             except Exception as e:  # a template may raise on roles or orders it does not allow
                 raise InvalidRequestError("messages", f"the chat template rejected them: {e}") from None
             token_ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

@@ -47,6 +47,7 @@ class Request:
     # who asks (None: an open server) and the tenant's weight: shares of the engine under contention
     tenant: str | None = None
     weight: float = 1.0
+    grammar: object | None = None  # structured output: its xgrammar GrammarMatcher, fed every token
     media: list[MediaItem] = field(default_factory=list)  # encoded: their embeddings fill the placeholders
     media_segments: list[MediaSegment] = field(default_factory=list)  # which positions take which rows
     token_ids: list[int] = field(init=False)
@@ -83,7 +84,9 @@ class Request:
         self.token_ids.append(token_id)
         params = self.params
         self.detokenizer.add(token_id)
-        if self.detokenizer.stopped:
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
+        if self.detokenizer.stopped or (self.grammar is not None and self.grammar.is_terminated()):
             self.finish_reason = FinishReason.STOP
         elif token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             self.finish_reason = FinishReason.STOP

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from cluster.engine.errors import InvalidRequestError
+from cluster.engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 
@@ -23,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top alternatives per token (0: only the sampled one's)
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # JSON (under a schema) only
 
     def __post_init__(self):
         if isinstance(self.stop, str):

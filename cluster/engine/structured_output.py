@@ -15,6 +15,7 @@ otherwise fills its budget with newlines.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -49,6 +50,7 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self.compile = lru_cache(maxsize=cache_size)(self._compile)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
 
     def _compile(self, spec: StructuredOutput):
         try:
@@ -61,8 +63,8 @@ class Grammars:
         return self._xgr.GrammarMatcher(self.compile(spec))
 
     def bitmasks(self, matchers: list):
-        """One row per matcher: the tokens it allows next, as xgrammar's packed bitmask."""
+        """One row per matcher: the tokens it allows next, as xgrammar's packed bitmask, filled by
+        xgrammar's threads (the model is idle meanwhile: the engine fills before it executes)."""
         bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(bitmask, i)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         return bitmask

@@ -6,13 +6,15 @@ from cluster.engine.errors import InvalidRequestError
 from cluster.engine.media_prompt import message_content
 from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.structured_output import StructuredOutput
 from cluster.serve.ledger import RequestMeter
 from protos import inference_pb2 as pb
 
 
-def grpc_sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
+def grpc_sampling_params(sampling: pb.SamplingParams, response_format: pb.ResponseFormat | None = None) -> SamplingParams:
     has = sampling.HasField
     return SamplingParams(
+        structured_output=structured_output(response_format) if response_format is not None else None,
         n=sampling.n if has("n") else 1,
         max_tokens=sampling.max_tokens if has("max_tokens") else 16,
         temperature=sampling.temperature if has("temperature") else 1.0,
@@ -24,6 +26,14 @@ def grpc_sampling_params(sampling: pb.SamplingParams) -> SamplingParams:
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs if has("logprobs") else None,
     )
+
+
+def structured_output(response_format: pb.ResponseFormat) -> StructuredOutput | None:
+    if response_format.type in ("", "text"):
+        return None
+    if response_format.type == "json_schema" and not response_format.json_schema:
+        raise InvalidRequestError("response_format.json_schema", "is required for type json_schema")
+    return StructuredOutput(response_format.type, response_format.json_schema or None)
 
 
 def prompt_or_messages(request: pb.GenerateRequest) -> tuple[str | None, list[dict] | None]:

@@ -36,6 +36,7 @@ from transformers import AutoTokenizer
 from cluster.engine.errors import InvalidRequestError
 from cluster.engine.media_prompt import MediaPromptEncoder
 from cluster.engine.prompt import PromptEncoder
+from cluster.engine.sampling_params import SamplingParams
 from cluster.serve import grpc_convert
 from cluster.serve.errors import (
     DuplicateRequestError,
@@ -56,6 +57,7 @@ from cluster.serve.ledger import Admission, RequestMeter, RequestSize
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.metrics import MediaMetrics
+from cluster.serve.tools import forced_call, offer_tools
 from cluster.serve.tenants import ComputeUnitPrices, ForbiddenError, KeyRing, TenantsFile, UnauthenticatedError, bearer_key
 from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
@@ -219,6 +221,7 @@ class Ingress:
         self._media_prompts: MediaPromptEncoder | None = None  # multimodal models only
         self._media_metrics: MediaMetrics | None = None
         self._info: dict | None = None
+        self._template_knows_tools = False
         self._init_lock = asyncio.Lock()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -240,6 +243,8 @@ class Ingress:
                         self._media_prompts = await asyncio.to_thread(
                             MediaPromptEncoder, info["model_dir"], spec, self.limits.media(), encoder.max_prompt_chars)
                         self._media_metrics = MediaMetrics(self.model_name)
+                    # a template that reads `tools` is given them; others get them described
+                    self._template_knows_tools = "tools" in str(tokenizer.chat_template or "")
                     self._encoder = encoder
         return self._encoder
 
@@ -282,7 +287,7 @@ class Ingress:
             self._front_door.set_full(self.num_pending_requests >= self.max_pending_requests)
 
     async def _submit(self, prompt, messages, params, tenant: str | None, request_id: str,
-                      cache_salt: str | None = None, timeout_s: float | None = None):
+                      cache_salt: str | None = None, timeout_s: float | None = None, tools: list[dict] | None = None):
         """Check the limits, tokenize (and for a multimodal model decode and process its media),
         be admitted by the TenantLedger under the tenant's limits (which may lower max_tokens),
         encode the media on the EncoderServer where there is one, and start streaming deltas.
@@ -297,7 +302,7 @@ class Ingress:
             token_ids, media = await loop.run_in_executor(self._tokenizer_thread, self._media_prompts.encode, messages)
         else:
             refuse_media(messages)
-            token_ids = await loop.run_in_executor(self._tokenizer_thread, encoder.encode, prompt, messages)
+            token_ids = await loop.run_in_executor(self._tokenizer_thread, encoder.encode, prompt, messages, tools)
         encoder.check(token_ids, params.max_tokens)
         size = RequestSize(len(token_ids), len(media), params.n, params.max_tokens)
         probe = self._llm_breaker.before_call()  # a failing model server: refused here, at once
@@ -422,7 +427,7 @@ class Ingress:
                 with self._admission():
                     self._check_size(request.ByteSize())
                     prompt, messages = grpc_convert.prompt_or_messages(request)
-                    params = grpc_convert.grpc_sampling_params(request.sampling)
+                    params = grpc_convert.grpc_sampling_params(request.sampling, request.response_format)
                     request_id = checked_request_id(request.request_id, "request_id")
                     first, deltas, meter = await self._submit(prompt, messages, params, tenant, request_id,
                                                               request.cache_salt or None)
@@ -597,10 +602,12 @@ class Ingress:
                 body = await self._read_json(raw)
                 refuse_unsupported(body)
                 request = model_cls.model_validate(body)
-                prompt, messages, params, want_logprobs = inputs(request)
+                given = inputs(request)
+                params, want_logprobs = given.params, given.want_logprobs
                 request_id = checked_request_id(request.request_id or raw.headers.get("x-request-id"), "request_id")
-                first, deltas, meter = await self._submit(prompt, messages, params, tenant, request_id,
-                                                          request.cache_salt or None, client_timeout(raw.headers))
+                first, deltas, meter = await self._submit(given.prompt, given.messages, params, tenant, request_id,
+                                                          request.cache_salt or None, client_timeout(raw.headers),
+                                                          given.template_tools)
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"])
@@ -609,6 +616,7 @@ class Ingress:
             status, kind_name, _, message = _error_kind(e)
             return _http_error(status, message, kind_name, _field(e), _retry_after(e, status))
         builder = builder_cls(self.model_name, params.n, self._decode_token, request_id, meter)
+        builder.tools = given.tools
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(
@@ -645,9 +653,9 @@ class Ingress:
         self.limits.check_json_depth(parsed)
         return parsed
 
-    def _completion_inputs(self, request: CompletionRequest):
+    def _completion_inputs(self, request: CompletionRequest) -> "EngineInputs":
         params = openai_sampling_params(request, 16, request.logprobs)
-        return request.prompt, None, params, request.logprobs is not None
+        return EngineInputs(request.prompt, None, params, request.logprobs is not None)
 
     def _chat_inputs(self, request: ChatCompletionRequest):
         messages = chat_messages(request)
@@ -656,7 +664,18 @@ class Ingress:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         # Chat answers run until EOS by default, bounded by the context like OpenAI's API.
         params = openai_sampling_params(request, None, logprobs)
-        return None, messages, params, request.logprobs
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
+        if not tools or request.tool_choice == "none":
+            return EngineInputs(None, messages, params, request.logprobs)
+        forced = forced_call(tools, request.tool_choice or "auto")
+        if forced is not None:
+            if params.structured_output is not None:
+                raise InvalidRequestError("response_format", "cannot be given with a tool_choice that forces a call")
+            params = dataclasses.replace(params, structured_output=forced)
+        if request.stream:
+            raise InvalidRequestError("stream", "answers that may be tool calls are sent whole; send stream: false")
+        messages, template_tools = offer_tools(messages, tools, self._template_knows_tools)
+        return EngineInputs(None, messages, params, request.logprobs, tools, template_tools)
 
     def _decode_token(self, token_id: int) -> str:
         return self._encoder.tokenizer.decode([token_id])
@@ -681,6 +700,18 @@ class Ingress:
             yield "data: [DONE]\n\n"
         finally:
             self.num_in_flight -= 1
+
+
+@dataclasses.dataclass(slots=True)
+class EngineInputs:
+    """What an OpenAI request becomes for the engine, and for its answer."""
+
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    params: SamplingParams
+    want_logprobs: bool | int | None
+    tools: list[dict] | None = None  # offered to the model: its answer may be parsed into tool_calls
+    template_tools: list[dict] | None = None  # for a chat template that reads `tools` itself
 
 
 def refuse_media(messages: list[dict] | None) -> None:

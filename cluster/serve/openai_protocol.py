@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import time
 from typing import Literal
 
@@ -14,16 +15,18 @@ from cluster.engine.errors import InvalidRequestError
 from cluster.engine.media_prompt import message_content
 from cluster.engine.outputs import RequestDelta
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.structured_output import StructuredOutput
 from cluster.serve.ledger import RequestMeter
+from cluster.serve.tools import parse_tool_calls
 
 
 # OpenAI / vLLM fields that change what is generated and that Pagoda does not do (yet): a request
 # that sets one to anything but its no-op value is refused naming it, not answered as if it had not.
 UNSUPPORTED_FIELDS = {
     "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {}, "min_p": 0,
-    "min_tokens": 0, "best_of": 1, "echo": False, "suffix": None, "response_format": None, "tools": None,
-    "tool_choice": None, "functions": None, "function_call": None, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
+    "min_tokens": 0, "best_of": 1, "echo": False, "suffix": None, "functions": None, "function_call": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
+    "parallel_tool_calls": True,
 }
 
 
@@ -38,6 +41,41 @@ def refuse_unsupported(body) -> None:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidRequestError("response_format.json_schema.schema", "is required for type json_schema")
+        return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class _CommonRequest(BaseModel):
@@ -56,6 +94,7 @@ class _CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_salt: str | None = Field(None, description="vLLM extension: KV is shared only among requests with the same salt")
+    response_format: ResponseFormat | None = None
     request_id: str | None = Field(None, description="vLLM extension: the client's id of the request (scoped by tenant); "
                                    "default: the X-Request-Id header, else one the server makes")
 
@@ -85,6 +124,8 @@ class ChatContentPart(BaseModel):
 class ChatMessage(BaseModel):
     role: str
     content: str | list[ChatContentPart] | None = ""
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -92,6 +133,8 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict]:
@@ -100,7 +143,8 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict]:
     messages = []
     for i, m in enumerate(request.messages):
         if not isinstance(m.content, list):
-            messages.append({"role": m.role, "content": m.content or ""})
+            messages.append({"role": m.role, "content": m.content or ""}
+                            | ({"tool_calls": m.tool_calls} if m.tool_calls else {}))
             continue
         parts = [_content_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(m.content)]
         messages.append({"role": m.role, "content": message_content(parts)})
@@ -150,6 +194,7 @@ def openai_sampling_params(request: _CommonRequest, default_max_tokens: int | No
         stop_token_ids=list(request.stop_token_ids or []),
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        structured_output=request.response_format.structured_output() if request.response_format else None,
     )
 
 
@@ -181,6 +226,7 @@ class ResponseBuilder:
     chunk_object_name: str  # a streamed chunk's
 
     def __init__(self, model: str, n: int, decode_token, request_id: str, meter: RequestMeter):
+        self.tools: list[dict] | None = None  # chat: offered to the model (the ingress sets them)
         self.model = model
         self.id = f"{self.id_prefix}-{request_id}"
         self.created = int(time.time())
@@ -252,6 +298,15 @@ class ChatResponseBuilder(ResponseBuilder):
     def __init__(self, model: str, n: int, decode_token, request_id: str, meter: RequestMeter):
         super().__init__(model, n, decode_token, request_id, meter)
         self._sent_role = [False] * n
+
+    def final(self, want_logprobs: bool) -> dict:
+        response = super().final(want_logprobs)
+        for choice in response["choices"] if self.tools else ():
+            calls = parse_tool_calls(choice["message"]["content"], self.tools)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
+        return response
 
     def _chunk_choice(self, delta: RequestDelta) -> dict:
         message = {"content": delta.new_text}

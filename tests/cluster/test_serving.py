@@ -293,8 +293,15 @@ def test_overload_is_refused_fast_with_429_and_resource_exhausted(stub, server):
         # generation options this server does not do are refused, not silently dropped
         ("completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
         ("completions", {"prompt": "hi", "logit_bias": {"42": 5}}, "logit_bias"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}},
+         "guided_json"),
         ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "response_format": {"type": "xml"}}, "response_format.type"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "stream"),
     ],
 )
 def test_http_bad_input_is_400_naming_the_field(server, path, body, param):

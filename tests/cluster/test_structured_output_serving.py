@@ -1,0 +1,99 @@
+"""Structured output and tool calls over the real server, with the official openai client: 100
+requests under a JSON schema all parse and validate, a tool call round trip, the same over gRPC,
+and a schema that cannot compile is 400 / INVALID_ARGUMENT naming the field."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+
+from protos import inference_pb2 as pb
+from protos import inference_pb2_grpc as pb_grpc
+from tests.cluster.test_structured_output import PERSON
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server['http']}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_a_hundred_requests_under_a_schema_all_validate(client, server):
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    def ask(i: int) -> str:
+        answer = client.chat.completions.create(
+            model=server["model"], messages=[{"role": "user", "content": f"Make up person number {i}."}],
+            response_format=schema_format, max_tokens=160, temperature=1.0, seed=i)
+        assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content
+        return answer.choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(100)))
+    for text in answers:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(answers)) > 50  # sampled, seeded apart
+
+
+def test_a_schema_that_cannot_compile_is_refused_naming_the_field(client, server):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "Hi"}],
+                                       response_format=bad, max_tokens=8)
+    assert refused.value.status_code == 400 and refused.value.body["param"] == "response_format.json_schema"
+    with pytest.raises(openai.BadRequestError):  # a json_schema without its schema
+        client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "Hi"}],
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+
+
+def test_a_tool_call_round_trip(client, server):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(
+        model=server["model"], messages=messages, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
+    second = client.chat.completions.create(model=server["model"], messages=messages, tools=[WEATHER],
+                                            max_tokens=30, temperature=0)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert second.choices[0].message.content or second.choices[0].message.tool_calls
+    required = client.chat.completions.create(model=server["model"], messages=messages[:1], tools=[WEATHER],
+                                              tool_choice="required", max_tokens=60, temperature=0)
+    assert required.choices[0].message.tool_calls[0].function.name == "get_weather"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=server["model"], messages=messages[:1], tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert refused.value.body["param"] == "tool_choice"
+
+
+def test_grpc_response_format(server):
+    with grpc.insecure_channel(server["grpc"]) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        request = pb.GenerateRequest(
+            messages=[pb.Message(role="user", parts=[pb.Part(text="Describe a person.")])],
+            sampling=pb.SamplingParams(max_tokens=160, temperature=0),
+            response_format=pb.ResponseFormat(type="json_schema", json_schema=json.dumps(PERSON)))
+        responses = list(stub.Generate(request, timeout=300))
+        assert responses[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads("".join(r.text for r in responses)), PERSON)
+        bad = pb.GenerateRequest(prompt="Hi", response_format=pb.ResponseFormat(type="json_schema", json_schema="{"))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(bad, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "response_format.json_schema" in refused.value.details()
