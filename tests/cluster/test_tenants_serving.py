@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import inference_pb2 as pb
 from tests.cluster.test_disaggregated_serving import deployed
+from tests.cluster.test_kv_tiers_serving import metric_value
 
 KEY_A = "sk-team-a-0123456789"
 KEY_B = "sk-team-b-9876543210"
@@ -38,7 +39,7 @@ def keyed_app(server, model_dir, tmp_path_factory):
                     f"  capped: {{keys: [{KEY_CAPPED}], max_units_per_request: {CAP}}}\n")
     with deployed({**server, "model_dir": model_dir}, "keyed", "/keyed", api_keys_file=str(keys),
                   usage_log=str(folder / "usage.jsonl"), ingress={"num_replicas": 2}) as app:
-        yield {**app, "usage_log": folder / "usage.jsonl"}
+        yield {**app, "usage_log": folder / "usage.jsonl", "metrics": server["metrics"]}
 
 
 def http(app, method: str, path: str, key: str | None, **kwargs) -> requests.Response:
@@ -46,13 +47,15 @@ def http(app, method: str, path: str, key: str | None, **kwargs) -> requests.Res
     return requests.request(method, f"{app['http']}{path}", headers=headers, timeout=120, **kwargs)
 
 
-ROUTES = [("GET", "/v1/models", {}), ("GET", "/v1/pagoda/stats", {}),
-          ("POST", "/v1/completions", {"json": {"prompt": "Hi", "max_tokens": 1}}),
-          ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}})]
+# (method, path, body, the answer to a tenant's key)
+ROUTES = [("GET", "/v1/models", {}, 200), ("GET", "/v1/pagoda/stats", {}, 200),
+          ("POST", "/v1/completions", {"json": {"prompt": "Hi", "max_tokens": 1}}, 200),
+          ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}}, 200),
+          ("GET", "/v1/pagoda/requests", {}, 200), ("DELETE", "/v1/pagoda/requests/none-such", {}, 404)]
 
 
-@pytest.mark.parametrize("method, path, kwargs", ROUTES, ids=[r[1] for r in ROUTES])
-def test_every_http_route_needs_a_tenants_key(keyed_app, method, path, kwargs):
+@pytest.mark.parametrize("method, path, kwargs, answer", ROUTES, ids=[f"{r[0]} {r[1]}" for r in ROUTES])
+def test_every_http_route_needs_a_tenants_key(keyed_app, method, path, kwargs, answer):
     for key in (None, WRONG):
         r = http(keyed_app, method, path, key, **kwargs)
         assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", r.text
@@ -61,7 +64,7 @@ def test_every_http_route_needs_a_tenants_key(keyed_app, method, path, kwargs):
                          timeout=120, **kwargs)
     assert r.status_code == 401
     for key in (KEY_A, KEY_B):
-        assert http(keyed_app, method, path, key, **kwargs).status_code == 200
+        assert http(keyed_app, method, path, key, **kwargs).status_code == answer
 
 
 def test_refused_keys_leave_no_traceback_in_the_logs(keyed_app):
@@ -100,13 +103,17 @@ def test_grpc_methods_need_a_tenants_key(keyed_app):
     stub = keyed_app["stub"]
     request = pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=2, temperature=0))
     calls = [lambda md: list(stub.Generate(request, metadata=md, timeout=120)),
-             lambda md: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md, timeout=120)]
+             lambda md: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md, timeout=120),
+             lambda md: stub.ListRequests(pb.ListRequestsRequest(), metadata=md, timeout=120) or True]
     for call in calls:
         for auth in ((), (("authorization", f"Bearer {WRONG}"),), (("authorization", KEY_A),)):
             with pytest.raises(grpc.RpcError) as error:
                 call(keyed_app["metadata"] + auth)
             assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, error.value.details()
         assert call(keyed_app["metadata"] + (("authorization", f"Bearer {KEY_B}"),))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Cancel(pb.CancelRequest(request_id="none-such"), metadata=keyed_app["metadata"], timeout=60)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_kv_is_shared_within_a_tenant_and_a_cache_salt_only(keyed_app):
@@ -156,6 +163,12 @@ def test_a_budget_runs_out_at_exactly_its_units_across_two_ingress_replicas(keye
     records = _wait_for_log(keyed_app["usage_log"], "metered", BUDGET_REQUESTS)
     assert len({r["replica"] for r in records}) == 2  # both ingress replicas took the tenant's requests
     assert sum_by_tenant(read_usage(keyed_app["usage_log"]))["metered"]["compute_units"] == BUDGET_REQUESTS * COST
+    # and in Prometheus, per tenant (exported by the ledger through Ray's metrics agent)
+    def metric(name: str, label: str) -> float:
+        return metric_value(requests.get(keyed_app["metrics"], timeout=30).text, name, label)
+
+    _eventually(lambda: metric("ray_pagoda_tenant_compute_units_total", 'tenant="metered"') == BUDGET_REQUESTS * COST)
+    assert metric("ray_pagoda_tenant_refusals_total", 'reason="quota",tenant="metered"') >= 2
 
 
 def _wait_for_log(path, tenant: str, count: int, request_id: str | None = None) -> list[dict]:
