@@ -25,6 +25,14 @@ def main() -> None:
     """Pagoda: LLM serving with a tiered, paged KV cache."""
 
 
+API_KEY_OPTION = click.option("--api-key", envvar="PAGODA_API_KEY", default=None,
+                              help="The server's API key for you (default: $PAGODA_API_KEY).")
+
+
+def _bearer(api_key: str | None) -> tuple:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 @main.group()
 def model() -> None:
     """Models under $PAGODA_HOME/models."""
@@ -216,8 +224,9 @@ def usage(log, as_json) -> None:
 @click.option("--quantization", type=click.Choice(["int8"]), default=None,
               help="int8 weights (CPU): faster decode, not bit-equal to HF (see docs/benchmarks.md).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
+@API_KEY_OPTION
 def generate(prompt, offline, server, model_dir, prompts_file, chat, images, audios, max_tokens, temperature, top_p,
-             top_k, seed, stop, ignore_eos, max_num_batched_tokens, quantization, as_json) -> None:
+             top_k, seed, stop, ignore_eos, max_num_batched_tokens, quantization, as_json, api_key) -> None:
     """Generate for PROMPT or every line of --prompts-file: from a running server (gRPC,
     streamed), or --offline in this process with all prompts batched together."""
     from pathlib import Path
@@ -251,7 +260,7 @@ def generate(prompt, offline, server, model_dir, prompts_file, chat, images, aud
     if offline:
         _generate_offline(prompts, params, model_dir, max_num_batched_tokens, quantization, as_json)
     else:
-        _generate_online(prompts, params, server, as_json)
+        _generate_online(prompts, params, server, as_json, api_key)
 
 
 def _generate_offline(prompts, params, model_dir, max_num_batched_tokens, quantization, as_json) -> None:
@@ -271,7 +280,7 @@ def _generate_offline(prompts, params, model_dir, max_num_batched_tokens, quanti
         _print_result(i, line, completion.text, completion.token_ids, completion.finish_reason, as_json)
 
 
-def _generate_online(prompts, params, server, as_json) -> None:
+def _generate_online(prompts, params, server, as_json, api_key: str | None = None) -> None:
     import grpc
 
     from cluster.serve import grpc_convert
@@ -291,7 +300,7 @@ def _generate_online(prompts, params, server, as_json) -> None:
                 request = pb.GenerateRequest(prompt=line["prompt"], sampling=sampling)
             text, token_ids, finish_reason = "", [], None
             try:
-                for response in stub.Generate(request):
+                for response in stub.Generate(request, metadata=_bearer(api_key)):
                     text += response.text
                     token_ids += list(response.token_ids)
                     finish_reason = response.finish_reason or finish_reason
@@ -337,14 +346,19 @@ def parse_replica_range(text: str) -> dict:
 @main.command()
 @click.option("--http", "http_address", default="127.0.0.1:8000", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def status(http_address, as_json) -> None:
-    """Deployments, replicas and engine/KV statistics of a running Pagoda."""
+@API_KEY_OPTION
+def status(http_address, as_json, api_key) -> None:
+    """Deployments, replicas and engine/KV statistics of a running Pagoda (an admin's key, where
+    the server has keys)."""
     import requests
 
     try:
-        report = requests.get(f"http://{http_address}/v1/pagoda/status", timeout=30).json()
+        answer = requests.get(f"http://{http_address}/v1/pagoda/status", timeout=30, headers=dict(_bearer(api_key)))
     except requests.RequestException as e:
         raise click.ClickException(f"no Pagoda answers at {http_address}: {e}") from None
+    if answer.status_code != 200:
+        raise click.ClickException(f"{answer.status_code}: {answer.json().get('error', {}).get('message', answer.text)}")
+    report = answer.json()
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

@@ -253,3 +253,16 @@ def test_a_tenant_sees_and_cancels_only_its_own_requests(keyed_app):
     _eventually(lambda: http(keyed_app, "GET", "/v1/pagoda/requests", KEY_A).json()["data"] == [])
     [record] = _wait_for_log(keyed_app["usage_log"], "a", 1, request_id="job-1")
     assert record["outcome"] == "cancelled" and 0 < record["output_tokens"] < 400
+
+
+def test_the_cli_sends_its_key(keyed_app):
+    from click.testing import CliRunner
+
+    from cluster.cli import main as cli
+
+    runner = CliRunner()
+    assert runner.invoke(cli, ["status", "--json", "--http", keyed_app["address"]]).exit_code == 1  # 401, said plainly
+    mine = runner.invoke(cli, ["status", "--json", "--http", keyed_app["address"]], env={"PAGODA_API_KEY": KEY_A})
+    assert mine.exit_code == 0, mine.output
+    refused = runner.invoke(cli, ["status", "--http", keyed_app["address"], "--api-key", KEY_B])
+    assert refused.exit_code == 1 and "403" in refused.output
