@@ -19,7 +19,7 @@ With one tenant (or none named) this is first come, first served, exactly.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from cluster.engine.request import Request
 
@@ -28,7 +28,7 @@ class FairShares:
     def __init__(self):
         self.service: dict[str | None, float] = {}  # virtual service of each tenant seen
 
-    def join(self, request: Request, active: Iterable[Request]) -> None:
+    def join(self, request: Request, active: Sequence[Request]) -> None:
         """A request arrives; `active` are the requests the engine holds (waiting or running)."""
         levels = [self.service.get(r.tenant, 0.0) for r in active if r.tenant != request.tenant]
         own = [r for r in active if r.tenant == request.tenant]

@@ -57,7 +57,7 @@ from cluster.serve.ledger import Admission, RequestMeter, RequestSize
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
 from cluster.serve.metrics import MediaMetrics
-from cluster.serve.tools import forced_call, offer_tools
+from cluster.serve.tools import calls_as_text, forced_call, offer_tools
 from cluster.serve.tenants import ComputeUnitPrices, ForbiddenError, KeyRing, TenantsFile, UnauthenticatedError, bearer_key
 from cluster.serve.openai_protocol import (
     ChatCompletionRequest,
@@ -200,6 +200,7 @@ class Ingress:
         self._streams: dict[tuple[str, str], object] = {}
         self._cancelled: set[tuple[str, str]] = set()
         self._cancellation_watch: asyncio.Task | None = None
+        self._reports: set[asyncio.Task] = set()  # requests' ends on their way to the ledger
         breaker = CircuitBreakerConfig.model_validate(circuit_breaker or {})
         self._llm_breaker = CircuitBreaker("the model server", breaker)
         self._encoder_breaker = CircuitBreaker("the media encoder", breaker)
@@ -385,7 +386,9 @@ class Ingress:
             except Exception:  # noqa: BLE001 - the ledger forgets it with this replica, if ever
                 logger.exception("could not report the end of request %s to the ledger", request_id)
 
-        asyncio.get_running_loop().create_task(tell())
+        task = asyncio.get_running_loop().create_task(tell())
+        self._reports.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._reports.discard)
 
     def _watch_cancellations(self) -> None:
         """One long poll of the ledger per replica (from its first request on): the requests
@@ -666,7 +669,8 @@ class Ingress:
         params = openai_sampling_params(request, None, logprobs)
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
         if not tools or request.tool_choice == "none":
-            return EngineInputs(None, messages, params, request.logprobs)
+            return EngineInputs(None, messages if self._template_knows_tools else calls_as_text(messages),
+                                params, request.logprobs)
         forced = forced_call(tools, request.tool_choice or "auto")
         if forced is not None:
             if params.structured_output is not None:

@@ -121,10 +121,21 @@ class ChatContentPart(BaseModel):
     input_audio: InputAudio | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | list[ChatContentPart] | None = ""
-    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: which call it answers
 
 
@@ -144,11 +155,21 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict]:
     for i, m in enumerate(request.messages):
         if not isinstance(m.content, list):
             messages.append({"role": m.role, "content": m.content or ""}
-                            | ({"tool_calls": m.tool_calls} if m.tool_calls else {}))
+                            | ({"tool_calls": [_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]}
+                               if m.tool_calls else {}))
             continue
         parts = [_content_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(m.content)]
         messages.append({"role": m.role, "content": message_content(parts)})
     return messages
+
+
+def _call(call: ToolCall, where: str) -> dict:
+    """An earlier call as HF chat templates take it (arguments an object, not JSON text)."""
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except json.JSONDecodeError:
+        raise InvalidRequestError(f"{where}.function.arguments", "must be JSON text") from None
+    return {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _content_part(part: ChatContentPart, where: str) -> dict:

@@ -46,11 +46,12 @@ def _call_schema(tool: dict) -> dict:
 
 
 def offer_tools(messages: list[dict], tools: list[dict], template_knows_tools: bool) -> tuple[list[dict], list[dict] | None]:
-    """(messages, tools for the template): earlier calls written into their assistant messages,
-    and the tools either for the template or described in the system message."""
-    messages = [_with_calls_as_text(m) for m in messages]
+    """(messages, tools for the template): a template that knows tools gets them (and the earlier
+    calls as they are); another gets them described in the system message, and the earlier calls
+    written as the model would write them."""
     if template_knows_tools:
         return messages, tools
+    messages = calls_as_text(messages)
     described = ("You can call these functions. To call one, answer with only a JSON object "
                  '{"name": <function name>, "arguments": <its arguments>}.\n'
                  + "\n".join(json.dumps(tool["function"]) for tool in tools))
@@ -59,13 +60,18 @@ def offer_tools(messages: list[dict], tools: list[dict], template_knows_tools: b
     return [{"role": "system", "content": described}, *messages], None
 
 
-def _with_calls_as_text(message: dict) -> dict:
-    calls = message.pop("tool_calls", None)
-    if not calls or message.get("content"):
-        return message
-    return {**message, "content": "\n".join(
-        json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"] or "{}")})
-        for c in calls)}
+def calls_as_text(messages: list[dict]) -> list[dict]:
+    """Assistant messages of earlier calls, for a template without tools: each call written as the
+    model is asked to write one, {"name", "arguments"}."""
+    written = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        message = {key: value for key, value in message.items() if key != "tool_calls"}
+        if calls and not message.get("content"):
+            message["content"] = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                                           for c in calls)
+        written.append(message)
+    return written
 
 
 def parse_tool_calls(text: str, tools: list[dict]) -> list[dict] | None:
