@@ -110,9 +110,14 @@ def _is_backend_failure(exc: BaseException) -> bool:
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import DeploymentUnavailableError
 
-    cause = getattr(exc, "cause", None) or exc
+    cause = _cause(exc)
     return isinstance(cause, (WorkerLostError, RequestFailedError, RequestTimeoutError, RayActorError,
                               DeploymentUnavailableError))
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error itself: a RayTaskError carries the original as .cause."""
+    return getattr(exc, "cause", None) or exc
 
 
 def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
@@ -120,7 +125,7 @@ def _error_kind(exc: BaseException) -> tuple[int, str, grpc.StatusCode, str]:
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import DeploymentUnavailableError
 
-    cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the original as .cause
+    cause = _cause(exc)
     for classes, status, kind, code in _error_table():
         if isinstance(cause, classes):
             return status, kind, code, str(cause) or DEFAULT_MESSAGES.get(status, kind)
@@ -134,7 +139,7 @@ DEFAULT_MESSAGES = {429: "overloaded; retry later", 504: "timed out"}
 
 
 def _field(exc: BaseException) -> str | None:
-    cause = getattr(exc, "cause", None) or exc
+    cause = _cause(exc)
     return getattr(cause, "field", None)
 
 
@@ -142,7 +147,7 @@ def _retry_after(exc: BaseException, status: int) -> dict | None:
     """The Retry-After header of a 429 or 503: the error's own estimate, else a second."""
     if status not in (429, 503):
         return None
-    seconds = getattr(getattr(exc, "cause", None) or exc, "retry_after_s", None) or 1
+    seconds = getattr(_cause(exc), "retry_after_s", None) or 1
     return {"Retry-After": str(math.ceil(seconds))}
 
 

@@ -70,6 +70,9 @@ class Usage:
     output_tokens: int = 0
     media_items: int = 0
 
+    def units(self, prices: ComputeUnitPrices) -> float:
+        return prices.units(self.prompt_tokens, self.output_tokens, self.media_items)
+
 
 @dataclass(slots=True)
 class RequestMeter:
@@ -89,7 +92,7 @@ class RequestMeter:
 
     @property
     def compute_units(self) -> float:
-        return self.prices.units(self.usage.prompt_tokens, self.usage.output_tokens, self.usage.media_items)
+        return self.usage.units(self.prices)
 
 
 @dataclass(slots=True)
@@ -112,6 +115,7 @@ class TenantLedger:
         self.limits: dict[str, TenantConfig] = dict(tenants.tenants) if tenants else {}
         self.running: dict[str, dict[str, _Running]] = collections.defaultdict(dict)
         self.charges: dict[str, collections.deque] = collections.defaultdict(collections.deque)  # (time, units)
+        self.spent: dict[str, float] = collections.defaultdict(float)  # the sum of each tenant's charges
         self.replicas: dict[str, _Replica] = {}
         self.log = UsageLog(usage_log) if usage_log else None
         if usage_log:
@@ -126,7 +130,7 @@ class TenantLedger:
         for record in read_usage(path):
             budget = self._budget(record.get("tenant") or "")
             if budget is not None and record["time"] > now - budget.window_s and record["compute_units"] > 0:
-                self.charges[record["tenant"]].append((record["time"], record["compute_units"]))
+                self._charge(record["tenant"], record["time"], record["compute_units"])
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -182,11 +186,16 @@ class TenantLedger:
         limits = self.limits.get(tenant)
         return limits.budget if limits is not None else None
 
+    def _charge(self, tenant: str, at: float, units: float) -> None:
+        self.charges[tenant].append((at, units))
+        self.spent[tenant] += units
+
     def _spent(self, tenant: str, limits: TenantConfig) -> float:
+        """The tenant's charges inside its window (older ones leave it here)."""
         charges, since = self.charges[tenant], time.time() - limits.budget.window_s
         while charges and charges[0][0] <= since:
-            charges.popleft()
-        return sum(units for _, units in charges)
+            self.spent[tenant] -= charges.popleft()[1]
+        return self.spent[tenant]
 
     def _retry_after(self, tenant: str, limits: TenantConfig, shortfall: float) -> float:
         """Seconds until enough of the tenant's charges leave the window to cover `shortfall`."""
@@ -203,10 +212,10 @@ class TenantLedger:
         """Charge, log and count a request that ended; returns its compute units."""
         tenant = tenant or ""
         entry = self.running[tenant].pop(request_id, None)
-        units = self.prices.units(usage.prompt_tokens, usage.output_tokens, usage.media_items)
+        units = usage.units(self.prices)
         now = time.time()
         if units > 0 and self._budget(tenant) is not None:
-            self.charges[tenant].append((now, units))
+            self._charge(tenant, now, units)
         if self.log is not None:
             self.log.append({"time": round(now, 3), "tenant": tenant or None, "request_id": request_id,
                              "replica": entry.replica if entry else None, "prompt_tokens": usage.prompt_tokens,
