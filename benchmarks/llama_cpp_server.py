@@ -35,7 +35,7 @@ def binary() -> Path:
 
 
 def build(log=print) -> Path:
-    """Build llama-server once (cmake, Release, native CPU flags, no web UI)."""
+    """Build llama-server once (cmake, Release, this CPU's vector extensions but never AMX, no web UI)."""
     target = binary()
     if target.exists():
         return target
@@ -48,15 +48,35 @@ def build(log=print) -> Path:
         with tarfile.open(next(tmp.glob("*.tar.gz"))) as tar:
             tar.extractall(tmp, filter="data")
         source = next(tmp.glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
-        log("building llama-server (cmake, Release, GGML_NATIVE)")
+        flags = cpu_feature_flags()
+        log(f"building llama-server (cmake, Release, {' '.join(flags)})")
         subprocess.run(["cmake", "-S", str(source), "-B", str(tmp / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                        *flags, "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF"],
                        check=True, stdout=subprocess.DEVNULL)
         subprocess.run(["cmake", "--build", str(tmp / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
                        check=True, stdout=subprocess.DEVNULL)
         shutil.move(tmp / "build" / "bin" / "llama-server", target)
     return target
+
+
+# cpuinfo flag -> ggml's cmake option. GGML_NATIVE (-march=native) also turns AMX on where the CPU
+# has it, and on a host whose kernel did not grant AMX tile state that llama-server died at start
+# with SIGILL; naming each extension from the CPU's flags keeps AMX off and still fast elsewhere.
+GGML_CPU_OPTIONS = {
+    "avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2",
+    "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
+}
+
+
+def cpu_feature_flags(cpuinfo: str | None = None) -> list[str]:
+    if cpuinfo is None:
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    line = next((l for l in cpuinfo.splitlines() if l.startswith("flags")), "")
+    present = set(line.partition(":")[2].split())
+    options = [f"-D{option}={'ON' if flag in present else 'OFF'}" for flag, option in GGML_CPU_OPTIONS.items()]
+    return ["-DGGML_NATIVE=OFF", *options, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 @contextlib.contextmanager

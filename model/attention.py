@@ -12,6 +12,10 @@ sequence: scores are computed block by block (a bmm over every block of every de
 then a softmax per sequence is assembled with scatter/index_add over the block -> sequence map.
 Only the unused tail of each sequence's last block is masked. Prefill chunks are few per step and
 compute-bound, so each runs through torch's SDPA on its gathered blocks.
+
+Where Pagoda's CPU kernels are built (model/cpu_ops.py) the decodes, and prefill chunks of up to
+`kernel_max_queries` queries (the rest of a prompt after a prefix hit), skip all of that: the
+kernel reads each sequence's blocks in place with an online softmax, one query row at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model.cpu_ops import cpu_ops
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -28,6 +34,17 @@ class PrefillChunk:
     num_queries: int
     context_len: int  # tokens visible to the chunk's last query (cached + chunk)
     block_ids: torch.Tensor  # the blocks covering context_len tokens
+
+
+@dataclass(slots=True)
+class KernelRows:
+    """Query rows that the paged_attention kernel serves: row i attends to the first row_len[i]
+    keys of the sequence whose block table is tables[row_seq[i]]."""
+
+    rows: torch.Tensor | None  # their indices among the step's tokens; None: the first len(row_len)
+    tables: torch.Tensor  # [sequences, max blocks], padded with 0
+    row_seq: torch.Tensor  # [rows]
+    row_len: torch.Tensor  # [rows]
 
 
 @dataclass(slots=True)
@@ -41,6 +58,7 @@ class AttentionContext:
     decode_block_seq: torch.Tensor  # [NB] which decode sequence each of those blocks belongs to
     decode_valid: torch.Tensor  # [NB, 1, block_size, 1] False on slots past the sequence's end
     prefills: list[PrefillChunk]
+    kernel: KernelRows | None = None  # rows the kernel serves (then not in the decode_* fields or prefills)
 
 
 def build_attention_context(
@@ -50,14 +68,20 @@ def build_attention_context(
     context_lens: list[int],
     block_tables: list[list[int]],
     device: torch.device | str = "cpu",
+    kernel_max_queries: int = 0,
 ) -> AttentionContext:
     """Sequences come in step order (decodes first); context_len counts the tokens already cached
-    plus this step's, so the new tokens sit at positions [context_len - query_len, context_len)."""
+    plus this step's, so the new tokens sit at positions [context_len - query_len, context_len).
+    kernel_max_queries > 0: decodes and chunks of at most that many queries go to the kernel."""
     slot_blocks, slot_offsets = [], []
     for query_len, context_len, table in zip(query_lens, context_lens, block_tables):
         for pos in range(context_len - query_len, context_len):
             slot_blocks.append(table[pos // block_size])
             slot_offsets.append(pos % block_size)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    if kernel_max_queries > 0:
+        return _kernel_context(block_size, num_decodes, query_lens, context_lens, block_tables, device,
+                               kernel_max_queries, as_long(slot_blocks), as_long(slot_offsets))
 
     decode_blocks, decode_seq, decode_valid = [], [], []
     for i in range(num_decodes):
@@ -75,7 +99,6 @@ def build_attention_context(
         prefills.append(PrefillChunk(start, query_lens[i], context_lens[i], table))
         start += query_lens[i]
 
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return AttentionContext(
         slot_blocks=as_long(slot_blocks),
         slot_offsets=as_long(slot_offsets),
@@ -85,6 +108,33 @@ def build_attention_context(
         decode_valid=valid[:, None, :, None].to(device),
         prefills=prefills,
     )
+
+
+def _kernel_context(block_size, num_decodes, query_lens, context_lens, block_tables, device, kernel_max_queries,
+                    slot_blocks, slot_offsets) -> AttentionContext:
+    rows, row_seq, row_len, tables, prefills = [], [], [], [], []
+    start = 0
+    for i, (query_len, context_len, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+        num_blocks = -(-context_len // block_size)
+        if query_len <= kernel_max_queries:
+            rows += range(start, start + query_len)
+            row_seq += [len(tables)] * query_len
+            row_len += range(context_len - query_len + 1, context_len + 1)
+            tables.append(table[:num_blocks])
+        else:
+            ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
+            prefills.append(PrefillChunk(start, query_len, context_len, ids))
+        start += query_len
+    width = max((len(t) for t in tables), default=1)
+    padded = torch.zeros(max(len(tables), 1), width, dtype=torch.long)
+    for i, table in enumerate(tables):
+        padded[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    contiguous = rows == list(range(len(rows)))
+    kernel = KernelRows(None if contiguous else as_long(rows), padded.to(device), as_long(row_seq), as_long(row_len))
+    empty = as_long([])
+    return AttentionContext(slot_blocks, slot_offsets, 0, empty, empty, torch.zeros(0, 1, block_size, 1, dtype=torch.bool),
+                            prefills, kernel if rows else None)
 
 
 class PagedAttention:
@@ -103,12 +153,24 @@ class PagedAttention:
         self.k_cache[ctx.slot_blocks, :, ctx.slot_offsets] = k
         self.v_cache[ctx.slot_blocks, :, ctx.slot_offsets] = v
         out = torch.empty_like(q)
+        if ctx.kernel is not None:
+            self._kernel(q, out, ctx.kernel)
         if ctx.num_decodes:
             out[: ctx.num_decodes] = self._decode(q[: ctx.num_decodes], ctx)
         for chunk in ctx.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_queries)
             out[rows] = self._prefill(q[rows], chunk)
         return out.view(q.shape[0], -1)
+
+    def _kernel(self, q: torch.Tensor, out: torch.Tensor, rows: KernelRows) -> None:
+        count = rows.row_len.shape[0]
+        selected = q[:count] if rows.rows is None else q.index_select(0, rows.rows)
+        result = cpu_ops().paged_attention(selected.float(), self.k_cache, self.v_cache, rows.tables, rows.row_seq,
+                                           rows.row_len, self.scale).to(q.dtype)
+        if rows.rows is None:
+            out[:count] = result
+        else:
+            out.index_copy_(0, rows.rows, result)
 
     def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         num_seqs, seq_of_block = q.shape[0], ctx.decode_block_seq

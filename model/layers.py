@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.quantization import PackedWeight, pack_weight
 from model.tp_layout import head_shard
 
 
@@ -93,7 +94,7 @@ def _shard(loaded: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
 
 
 class LinearBase(nn.Module):
-    int8: "Int8Weight | None" = None
+    packed: PackedWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int):
         super().__init__()
@@ -109,39 +110,15 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
 
-    def quantize_int8(self) -> None:
-        """Swap the float weight for an int8 one (see Int8Weight); the float copy is dropped."""
-        self.int8 = Int8Weight(self.weight.data, self.bias.data if self.bias is not None else None)
-        self.weight = self.bias = None
+    def pack(self, mode: str) -> None:
+        """Swap the float weight for the format `mode` gives it (model/quantization.py), if any;
+        the float copy is dropped."""
+        packed = pack_weight(self.weight.data, self.bias.data.float() if self.bias is not None else None, mode)
+        if packed is not None:
+            self.packed, self.weight, self.bias = packed, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.int8.linear(x) if self.int8 is not None else F.linear(x, self.weight, self.bias)
-
-
-class Int8Weight:
-    """A linear weight in int8, one scale per output channel, multiplied by activations that are
-    quantized to int8 per token (one scale per row) at each call; torch._int_mm accumulates in
-    int32. Per-token scales keep one token's outliers (the first token's are huge) from costing the
-    others their precision, and keep a request's numbers independent of its batch neighbours.
-    Decode is bound by reading weights, so a quarter of the bytes is most of the speed-up; the cost
-    in quality is measured in docs/benchmarks.md. CPU only."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        weight = weight.float()
-        self.scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127  # [out]
-        # [in, out] laid out column-major: the layout _int_mm's CPU kernel reads fastest
-        self.qweight = torch.round(weight / self.scale[:, None]).to(torch.int8).t()
-        self.bias = None if bias is None else bias.float()
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        x = x.reshape(-1, shape[-1]).float()
-        x_scale = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-8) / 127
-        qx = torch.round(x / x_scale).to(torch.int8)
-        out = torch._int_mm(qx, self.qweight).float().mul_(x_scale).mul_(self.scale)
-        if self.bias is not None:
-            out += self.bias
-        return out.reshape(*shape[:-1], -1).to(dtype)
+        return self.packed.linear(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):

@@ -13,7 +13,6 @@ from torch import nn
 from model.attention import AttentionContext, PagedAttention
 from model.config import ModelConfig
 from model.layers import (
-    Int8Weight,
     LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -24,6 +23,7 @@ from model.layers import (
     apply_rotary,
     silu_and_mul,
 )
+from model.quantization import PackedWeight, pack_weight
 
 
 class LlamaAttention(nn.Module):
@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.int8_head: Int8Weight | None = None
+        self.packed_head: PackedWeight | None = None
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
@@ -127,17 +127,28 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.int8_head is not None:
-            return self.int8_head.linear(hidden).float()
+        if self.packed_head is not None:
+            return self.packed_head.linear(hidden).float()
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return torch.nn.functional.linear(hidden, head.weight).float()
 
-    def quantize_int8(self) -> None:
-        """int8 weights for the linear layers and the LM head; the embedding lookup stays float."""
+    def quantize(self, mode: str) -> dict[str, int]:
+        """Pack the linear layers' and the LM head's weights as `mode` says (model/quantization.py);
+        the embedding lookup stays float. Returns how many matrices took each format."""
+        formats: dict[str, int] = {}
         for module in self.modules():
             if isinstance(module, LinearBase):
-                module.quantize_int8()
+                module.pack(mode)
+                name = _format_name(module.packed)
+                formats[name] = formats.get(name, 0) + 1
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        self.int8_head = Int8Weight(head.weight.data)
-        if self.lm_head is not None:
+        self.packed_head = pack_weight(head.weight.data, None, mode)
+        if self.packed_head is not None and self.lm_head is not None:
             self.lm_head = None
+        name = _format_name(self.packed_head)
+        formats[name] = formats.get(name, 0) + 1
+        return formats
+
+
+def _format_name(packed: PackedWeight | None) -> str:
+    return "dense" if packed is None else getattr(packed, "kind", type(packed).__name__)

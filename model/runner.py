@@ -20,12 +20,19 @@ import torch
 
 from model.attention import AttentionContext, build_attention_context
 from model.config import ModelConfig
+from model.cpu_ops import cpu_ops
 from model.kv_transfer import KVExporter, KVImport, KVPart, from_numpy, install, to_numpy, token_slots
 from model.llama import LlamaForCausalLM
 from model.loader import load_weights
 from model.multimodal import MultimodalSpec
+from model.quantization import check_mode
 from model.sampler import SamplingRow, TokenLogprobs, sample
 from model.tp_layout import head_shard
+
+
+# Chunks longer than this attend through SDPA on gathered blocks, faster once the chunk's own
+# queries share the K/V reads (measured in docs/benchmarks.md).
+KERNEL_MAX_QUERIES = 16
 
 
 @dataclass(slots=True)
@@ -100,12 +107,10 @@ class ModelRunner:
         self._exporter = KVExporter(kv_put or (lambda x: x), self.kv_heads) if first_holder else None
         self._kv_get = kv_get or (lambda xs: xs)
         load_weights(self.model, model_dir, multimodal=MultimodalSpec.from_dir(model_dir) is not None)
-        if quantization == "int8":
-            if self.device.type != "cpu":
-                raise ValueError("quantization='int8' runs on the CPU only")
-            self.model.quantize_int8()
-        elif quantization is not None:
-            raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
+        # Decodes and chunks of up to this many queries attend through the paged kernel (0: no kernel).
+        self.kernel_max_queries = KERNEL_MAX_QUERIES if self.device.type == "cpu" and cpu_ops() is not None else 0
+        self.quantization = check_mode(quantization, self.device)
+        self.weight_formats = self.model.quantize(self.quantization)
         self.model.eval()
         self.num_blocks = num_blocks or max(1, kv_cache_bytes // self.bytes_per_block)
         # One allocation for all layers: [layers, K/V, blocks, kv_heads, block_size, head_dim]
@@ -164,6 +169,7 @@ class ModelRunner:
             [s.num_computed_tokens + len(s.new_token_ids) for s in ordered],
             [s.block_ids for s in ordered],
             self.device,
+            self.kernel_max_queries,
         )
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         embeds = None

@@ -1,0 +1,64 @@
+"""Pagoda's CPU kernels (model/csrc/cpu_ops.cpp), built on first use by torch's extension tooling.
+
+`make install` builds them once (`python -m model.cpu_ops`); a process that finds them built loads
+them in well under a second. The build is keyed by the source and by this CPU's flags, so a cache
+shared between hosts never hands one host another's `-march=native` code. Where the build cannot
+run (no compiler, an unsupported host), `cpu_ops()` returns None, says why once, and the model
+runs torch's own paths: dequantized fp32 weights and gathered-block attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from functools import cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode())
+    return digest.hexdigest()[:12]
+
+
+@cache
+def cpu_ops():
+    """The compiled module, or None where it cannot be built (the reason is logged once)."""
+    if os.environ.get("PAGODA_CPU_OPS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name=f"pagoda_cpu_ops_{build_key()}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means: run torch's paths
+        logger.warning("Pagoda's CPU kernels are unavailable (%s); using torch's paths", exc)
+        return None
+
+
+if __name__ == "__main__":
+    ops = cpu_ops()
+    print("Pagoda CPU kernels:", "built" if ops is not None else "unavailable")
+    sys.exit(0 if ops is not None else 1)

@@ -1,0 +1,336 @@
+// CPU kernels that torch does not have in the form Pagoda needs:
+//
+//  - group_linear: y = x W^T + b where W is stored in groups of 32 weights along the input
+//    dimension, the way GGUF stores it: Q4_1 (4-bit q, w = d*q + m) or Q8_0 (8-bit q, w = d*q),
+//    d and m in fp16. Each group is dequantized exactly as gguf-py does it (fp32 d*q, then + m)
+//    into a small buffer and multiplied in fp32, so the result is the fp32 GEMM of the checkpoint's
+//    own dequantized weights, up to summation order, while decode reads 5-6x fewer bytes.
+//  - paged_attention: queries that each attend to the first `len` keys of one sequence's paged
+//    KV cache, read block by block in place (no gather copy), GQA-aware, online softmax, fp32 or
+//    bf16 cache. Decode rows and short prefill chunks over a long context go through it.
+//
+// Vectors are GCC vector extensions of 8 floats: AVX2 registers on x86, two NEON registers on Arm,
+// so one source builds on every host; the build uses the host's own -march.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+typedef int8_t v8i8 __attribute__((vector_size(8)));
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+
+// 8 bytes -> 8 floats (each byte, or its low or high nibble). GCC scalarizes the generic
+// conversion of byte vectors, so x86 with AVX2 gets the two instructions by name.
+#if defined(__AVX2__)
+inline v8i32 widen_u8(const uint8_t* p) {
+  return (v8i32)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline v8i32 widen_i8(const int8_t* p) {
+  return (v8i32)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+#else
+inline v8i32 widen_u8(const uint8_t* p) {
+  v8u8 bytes;
+  std::memcpy(&bytes, p, 8);
+  return __builtin_convertvector(bytes, v8i32);
+}
+inline v8i32 widen_i8(const int8_t* p) {
+  v8i8 bytes;
+  std::memcpy(&bytes, p, 8);
+  return __builtin_convertvector(bytes, v8i32);
+}
+#endif
+
+inline v8f to_floats(v8i32 ints) { return __builtin_convertvector(ints, v8f); }
+
+constexpr int64_t kGroup = 32;
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+inline float hsum(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// One group of 32 weights into out[0..32). Not contracted into an FMA: gguf-py rounds d*q, then
+// adds m, and the fp32 checkpoint holds exactly those values.
+__attribute__((optimize("fp-contract=off"))) inline void dequant_q4_1(const uint8_t* q, float d, float m,
+                                                                        float* out) {
+  const v8f dv = splat(d), mv = splat(m);
+  for (int half = 0; half < 2; ++half) {
+    const v8i32 bytes = widen_u8(q + 8 * half);
+    v8f lo = to_floats(bytes & 0xF);
+    v8f hi = to_floats(bytes >> 4);
+    store8(out + 8 * half, lo * dv + mv);
+    store8(out + 16 + 8 * half, hi * dv + mv);
+  }
+}
+
+inline void dequant_q8_0(const int8_t* q, float d, float* out) {
+  const v8f dv = splat(d);
+  for (int i = 0; i < 4; ++i) {
+    store8(out + 8 * i, to_floats(widen_i8(q + 8 * i)) * dv);
+  }
+}
+
+// A grouped weight as raw pointers: Q4_1 when q4 (m set), else Q8_0.
+struct GroupedWeight {
+  const uint8_t* q;
+  const at::Half* d;
+  const at::Half* m;
+  int64_t K;
+  bool q4;
+};
+
+// Rows [n0, n0 + rows) of W dequantized into buf (rows x K, row-major).
+void dequant_rows(const GroupedWeight& w, int64_t n0, int64_t rows, float* buf) {
+  const int64_t groups = w.K / kGroup, group_bytes = w.q4 ? kGroup / 2 : kGroup;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t first = (n0 + r) * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      float* out = buf + r * w.K + g * kGroup;
+      const uint8_t* q = w.q + (first + g) * group_bytes;
+      const float scale = static_cast<float>(w.d[first + g]);
+      if (w.q4) {
+        dequant_q4_1(q, scale, static_cast<float>(w.m[first + g]), out);
+      } else {
+        dequant_q8_0(reinterpret_cast<const int8_t*>(q), scale, out);
+      }
+    }
+  }
+}
+
+// out[i][j] = x[i] . w[j] for MB rows of x and NB rows of w, accumulating 8 lanes across K.
+template <int MB, int NB>
+inline void micro_gemm(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
+  v8f acc[MB][NB] = {};
+  for (int64_t k = 0; k < K; k += 8) {
+    v8f wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load8(w + j * K + k);
+    for (int i = 0; i < MB; ++i) {
+      const v8f xv = load8(x + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i * ldo + j] = hsum(acc[i][j]);
+}
+
+// Rows of x per register tile: with 4 rows of W, 2 x 4 accumulators + 4 weights + 1 input fit
+// AVX2's 16 registers (a 4 x 4 tile spills).
+constexpr int kTokenTile = 2;
+
+template <int NB>
+void rows_times_block(const float* x, int64_t M, int64_t K, const float* w, float* out, int64_t ldo) {
+  int64_t i = 0;
+  for (; i + kTokenTile <= M; i += kTokenTile) micro_gemm<kTokenTile, NB>(x + i * K, K, w, K, out + i * ldo, ldo);
+  for (; i < M; ++i) micro_gemm<1, NB>(x + i * K, K, w, K, out + i * ldo, ldo);
+}
+
+constexpr int64_t kRowBlock = 4;   // rows of W dequantized together
+constexpr int64_t kTokenBlock = 64;  // rows of x that share one dequantization (kept in L2)
+
+}  // namespace
+
+// x: [M, K] float32; qweight: [N, K/2] uint8 (Q4_1: byte j of a group holds weights j and j+16 in
+// its low and high nibble) or [N, K] int8 (Q8_0); d, m: [N, K/32] float16 (m unused for Q8_0).
+torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor d, torch::Tensor m,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.is_contiguous(), "d must be contiguous float16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = d.size(0);
+  TORCH_CHECK(K % kGroup == 0 && d.size(1) == K / kGroup, "K must be a multiple of 32 matching d");
+  TORCH_CHECK(qweight.is_contiguous(), "qweight must be contiguous");
+  const bool q4 = qweight.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(q4 || qweight.scalar_type() == torch::kInt8, "qweight must be uint8 (Q4_1) or int8 (Q8_0)");
+  if (q4) TORCH_CHECK(m.scalar_type() == torch::kFloat16 && m.sizes() == d.sizes(), "Q4_1 needs m like d");
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
+                        q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
+  const int64_t num_row_blocks = (N + kRowBlock - 1) / kRowBlock;
+  for (int64_t t0 = 0; t0 < M; t0 += kTokenBlock) {
+    const int64_t tokens = std::min(kTokenBlock, M - t0);
+    at::parallel_for(0, num_row_blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(kRowBlock * K);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * kRowBlock, rows = std::min(kRowBlock, N - n0);
+        dequant_rows(w, n0, rows, buf.data());
+        const float* xs = xp + t0 * K;
+        float* o = op + t0 * N + n0;
+        switch (rows) {
+          case 4: rows_times_block<4>(xs, tokens, K, buf.data(), o, N); break;
+          case 3: rows_times_block<3>(xs, tokens, K, buf.data(), o, N); break;
+          case 2: rows_times_block<2>(xs, tokens, K, buf.data(), o, N); break;
+          default: rows_times_block<1>(xs, tokens, K, buf.data(), o, N); break;
+        }
+      }
+    });
+  }
+  if (bias.has_value()) out += *bias;
+  return out;
+}
+
+// The weight as a float32 [N, K] tensor (for long prefill chunks, where one dequantization and
+// MKL's GEMM beat the group kernel, and for checks).
+torch::Tensor group_dequantize(torch::Tensor qweight, torch::Tensor d, torch::Tensor m) {
+  const int64_t N = d.size(0), K = d.size(1) * kGroup;
+  const bool q4 = qweight.scalar_type() == torch::kUInt8;
+  auto out = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
+                        q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    dequant_rows(w, begin, end - begin, op + begin * K);
+  });
+  return out;
+}
+
+namespace {
+
+template <typename T>
+inline v8f load_kv8(const T* p);
+
+template <>
+inline v8f load_kv8<float>(const float* p) { return load8(p); }
+
+template <>
+inline v8f load_kv8<at::BFloat16>(const at::BFloat16* p) {
+  typedef uint16_t v8u16 __attribute__((vector_size(16)));
+  typedef uint32_t v8u32 __attribute__((vector_size(32)));
+  v8u16 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  v8u32 wide = __builtin_convertvector(bits, v8u32) << 16;
+  v8f out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// One query row's heads of one KV head group against `len` keys; D a multiple of 8, at most 256.
+template <typename T>
+void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T* v_cache, int64_t block_stride,
+            int64_t head_offset, const int64_t* table, int64_t block_size, int64_t len, float scale, float* scratch,
+            float* out) {
+  constexpr int64_t kMaxGroup = 16, kMaxDim = 256;
+  const int64_t lanes = D / 8;
+  v8f qv[kMaxGroup][kMaxDim / 8], acc[kMaxGroup][kMaxDim / 8];
+  float running_max[kMaxGroup], denom[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    running_max[g] = -std::numeric_limits<float>::infinity();
+    denom[g] = 0.0f;
+    for (int64_t l = 0; l < lanes; ++l) {
+      qv[g][l] = load8(q + g * D + 8 * l) * splat(scale);
+      acc[g][l] = v8f{};
+    }
+  }
+  float* scores = scratch;
+  for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t block = table[start / block_size], valid = std::min(block_size, len - start);
+    const T* kb = k_cache + block * block_stride + head_offset;
+    const T* vb = v_cache + block * block_stride + head_offset;
+    for (int64_t t = 0; t < valid; ++t) {
+      v8f kv[kMaxDim / 8];
+      for (int64_t l = 0; l < lanes; ++l) kv[l] = load_kv8(kb + t * D + 8 * l);
+      for (int64_t g = 0; g < group; ++g) {
+        v8f s = {};
+        for (int64_t l = 0; l < lanes; ++l) s += qv[g][l] * kv[l];
+        scores[g * block_size + t] = hsum(s);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = scores + g * block_size;
+      float block_max = row[0];
+      for (int64_t t = 1; t < valid; ++t) block_max = std::max(block_max, row[t]);
+      const float new_max = std::max(running_max[g], block_max);
+      const float rescale = std::exp(running_max[g] - new_max);
+      running_max[g] = new_max;
+      denom[g] *= rescale;
+      for (int64_t l = 0; l < lanes; ++l) acc[g][l] *= splat(rescale);
+      for (int64_t t = 0; t < valid; ++t) {
+        row[t] = std::exp(row[t] - new_max);
+        denom[g] += row[t];
+      }
+    }
+    for (int64_t t = 0; t < valid; ++t) {
+      v8f vv[kMaxDim / 8];
+      for (int64_t l = 0; l < lanes; ++l) vv[l] = load_kv8(vb + t * D + 8 * l);
+      for (int64_t g = 0; g < group; ++g) {
+        const v8f p = splat(scores[g * block_size + t]);
+        for (int64_t l = 0; l < lanes; ++l) acc[g][l] += p * vv[l];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const v8f inv = splat(1.0f / denom[g]);
+    for (int64_t l = 0; l < lanes; ++l) store8(out + g * D + 8 * l, acc[g][l] * inv);
+  }
+}
+
+}  // namespace
+
+// q: [T, H, D] float32; caches: [num_blocks, KVH, block_size, D] float32 or bfloat16;
+// tables: [S, max_blocks] int64; row_seq: [T] int64 (the table row of each query);
+// row_len: [T] int64 (keys visible to each query, >= 1). Returns [T, H, D] float32.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                              torch::Tensor row_seq, torch::Tensor row_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [T, H, D] float32");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
+  q = q.contiguous();
+  tables = tables.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(1), block_size = k_cache.size(2);
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= 16, "query heads per KV head must be at most 16");
+  TORCH_CHECK(D % 8 == 0 && D <= 256 && k_cache.size(3) == D, "head_dim must be a multiple of 8, at most 256");
+  const int64_t group = H / KVH, block_stride = KVH * block_size * D, max_blocks = tables.size(1);
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* seq = row_seq.data_ptr<int64_t>();
+  const int64_t* lens = row_len.data_ptr<int64_t>();
+  at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(group * block_size);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t t = work / KVH, h = work % KVH;
+      const float* qh = qp + (t * H + h * group) * D;
+      float* oh = op + (t * H + h * group) * D;
+      const int64_t* table = tp + seq[t] * max_blocks;
+      const int64_t offset = h * block_size * D;
+      if (k_cache.scalar_type() == torch::kBFloat16) {
+        attend(qh, group, D, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_stride, offset,
+               table, block_size, lens[t], static_cast<float>(scale), scratch.data(), oh);
+      } else {
+        attend(qh, group, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_stride, offset, table,
+               block_size, lens[t], static_cast<float>(scale), scratch.data(), oh);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("group_linear", &group_linear, "x @ W^T with W in GGUF groups of 32 (Q4_1 or Q8_0)");
+  m.def("group_dequantize", &group_dequantize, "a grouped weight as float32");
+  m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place");
+}

@@ -1,0 +1,170 @@
+"""Weight formats for linear layers other than a dense float matrix. Each has `linear(x)`.
+
+    mode (engine `quantization`)   weights                                    lossless?
+    "auto" (default) / None        grouped where the checkpoint's values are   yes: the same fp32 values,
+                                   exactly GGUF Q4_1 / Q8_0 groups, else dense  multiplied in fp32
+    "none"                         dense, as loaded                            yes
+    "int8"                         Int8Weight: int8 weights x int8 activations  no (perplexity +4%)
+    "int8-weights"                 GroupedWeight Q8_0 from any checkpoint       no (see docs/benchmarks.md)
+    "int4-weights"                 GroupedWeight Q4_1 from any checkpoint       no (see docs/benchmarks.md)
+
+The default model comes from a Q4_1 GGUF (its LM head Q8_0): dequantized to fp32 once at fetch, its
+weights are exactly representable again as those groups, so `recover_grouped` finds the groups, and
+decode reads ~0.63 byte per weight instead of 4 with the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from model.cpu_ops import cpu_ops
+
+GROUP = 32
+QUANTIZATION_MODES = ("auto", "none", "int8", "int8-weights", "int4-weights")
+
+
+class PackedWeight(Protocol):
+    def linear(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class GroupedWeight:
+    """A weight [N, K] in groups of 32 along K, each with an fp16 scale d (and for Q4_1 a minimum
+    m): Q4_1 stores q in 0..15 two to a byte, w = d*q + m; Q8_0 stores q in -127..127, w = d*q.
+    Multiplied by Pagoda's group_linear kernel, which dequantizes group by group in fp32."""
+
+    def __init__(self, qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None):
+        self.qweight, self.d, self.m, self.bias = qweight, d, m, bias
+        self.kind = "q4_1" if m is not None else "q8_0"
+        self._ops = cpu_ops()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * GROUP
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, shape[-1]).float()
+        out = self._ops.group_linear(x, self.qweight, self.d, self.m if self.m is not None else self.d, self.bias)
+        return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self._ops.group_dequantize(self.qweight, self.d, self.m if self.m is not None else self.d)
+
+
+def _groups(weight: torch.Tensor) -> torch.Tensor | None:
+    if weight.dim() != 2 or weight.shape[1] % GROUP:
+        return None
+    return weight.float().reshape(weight.shape[0], -1, GROUP)
+
+
+def _pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """[N, G, 32] values 0..15 -> [N, G*16] bytes: byte j of a group holds weights j and j+16 (GGUF's order)."""
+    q = q.to(torch.uint8)
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1).contiguous()
+
+
+def _dequant_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return q * d.float()[..., None] + m.float()[..., None]  # two roundings, as gguf-py and the kernel do
+
+
+def recover_grouped(weight: torch.Tensor, bias: torch.Tensor | None = None) -> GroupedWeight | None:
+    """The weight as Q4_1 or Q8_0 groups if every one of its values is exactly what those groups
+    dequantize to (a checkpoint dequantized from such a GGUF), else None."""
+    groups = _groups(weight)
+    if groups is None:
+        return None
+    low, high = groups.amin(-1), groups.amax(-1)
+    # Q4_1: the group's minimum is m (q = 0), its maximum d*15 + m.
+    d = ((high - low) / 15).half()
+    m = low.half()
+    if torch.equal(m.float(), low) and torch.isfinite(d).all():
+        step = d.float()[..., None]
+        q = torch.where(step > 0, torch.round((groups - low[..., None]) / step.clamp(min=1e-30)), 0).clamp(0, 15)
+        if torch.equal(_dequant_q4(q, d, m), groups):
+            return GroupedWeight(_pack_q4(q), d.contiguous(), m.contiguous(), bias)
+    # Q8_0: w = d*q, the largest |q| is 127.
+    d = (groups.abs().amax(-1) / 127).half()
+    if torch.isfinite(d).all():
+        step = d.float()[..., None]
+        q = torch.where(step > 0, torch.round(groups / step.clamp(min=1e-30)), 0).clamp(-127, 127)
+        if torch.equal(q * step, groups):
+            return GroupedWeight(q.to(torch.int8).reshape(weight.shape).contiguous(), d.contiguous(), None, bias)
+    return None
+
+
+def quantize_grouped(weight: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> GroupedWeight:
+    """Weight-only quantization of any weight to Q4_1 (bits=4) or Q8_0 (bits=8), as llama.cpp's
+    reference quantizers round: lossy, its cost measured in docs/benchmarks.md."""
+    groups = _groups(weight)
+    if groups is None:
+        raise ValueError(f"a grouped weight needs input features divisible by {GROUP}, got {tuple(weight.shape)}")
+    if bits == 4:
+        low, high = groups.amin(-1), groups.amax(-1)
+        d, m = ((high - low) / 15).half(), low.half()
+        step = d.float()[..., None]
+        q = torch.round((groups - m.float()[..., None]) / step.clamp(min=1e-30)).clamp(0, 15)
+        return GroupedWeight(_pack_q4(q), d.contiguous(), m.contiguous(), bias)
+    if bits == 8:
+        d = (groups.abs().amax(-1) / 127).half()
+        q = torch.round(groups / d.float()[..., None].clamp(min=1e-30)).clamp(-127, 127)
+        return GroupedWeight(q.to(torch.int8).reshape(weight.shape).contiguous(), d.contiguous(), None, bias)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+class Int8Weight:
+    """A linear weight in int8, one scale per output channel, multiplied by activations that are
+    quantized to int8 per token (one scale per row) at each call; torch._int_mm accumulates in
+    int32. Per-token scales keep one token's outliers (the first token's are huge) from costing the
+    others their precision, and keep a request's numbers independent of its batch neighbours.
+    Decode is bound by reading weights, so a quarter of the bytes is most of the speed-up; the cost
+    in quality is measured in docs/benchmarks.md. CPU only."""
+
+    kind = "int8_dynamic"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        weight = weight.float()
+        self.scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127  # [out]
+        # [in, out] laid out column-major: the layout _int_mm's CPU kernel reads fastest
+        self.qweight = torch.round(weight / self.scale[:, None]).to(torch.int8).t()
+        self.bias = None if bias is None else bias.float()
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, shape[-1]).float()
+        x_scale = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-8) / 127
+        qx = torch.round(x / x_scale).to(torch.int8)
+        out = torch._int_mm(qx, self.qweight).float().mul_(x_scale).mul_(self.scale)
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
+
+
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, mode: str) -> PackedWeight | None:
+    """The format `mode` gives this weight; None: keep it dense."""
+    if mode == "int8":
+        return Int8Weight(weight, bias)
+    if mode == "int8-weights":
+        return quantize_grouped(weight, 8, bias)
+    if mode == "int4-weights":
+        return quantize_grouped(weight, 4, bias)
+    if mode == "auto":
+        return recover_grouped(weight, bias)
+    return None
+
+
+def check_mode(mode: str | None, device: torch.device) -> str:
+    """The effective mode: None is "auto"; every mode but "none" needs the CPU, and the grouped
+    ones Pagoda's CPU kernels ("auto" quietly keeps dense weights without them)."""
+    mode = mode or "auto"
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATION_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return "auto" if device.type == "cpu" and cpu_ops() is not None else "none"
+    if mode != "none" and device.type != "cpu":
+        raise ValueError(f"quantization={mode!r} runs on the CPU only")
+    if mode in ("int8-weights", "int4-weights") and cpu_ops() is None:
+        raise ValueError(f"quantization={mode!r} needs Pagoda's CPU kernels, which could not be built here")
+    return mode
