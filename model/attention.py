@@ -150,8 +150,12 @@ class PagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext):
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
-        self.k_cache[ctx.slot_blocks, :, ctx.slot_offsets] = k
-        self.v_cache[ctx.slot_blocks, :, ctx.slot_offsets] = v
+        if ctx.kernel is not None:  # the kernels are built and serve this cache
+            cpu_ops().write_cache(self.k_cache, k, ctx.slot_blocks, ctx.slot_offsets)
+            cpu_ops().write_cache(self.v_cache, v, ctx.slot_blocks, ctx.slot_offsets)
+        else:
+            self.k_cache[ctx.slot_blocks, :, ctx.slot_offsets] = k
+            self.v_cache[ctx.slot_blocks, :, ctx.slot_offsets] = v
         out = torch.empty_like(q)
         if ctx.kernel is not None:
             self._kernel(q, out, ctx.kernel)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.cpu_ops import cpu_ops
 from model.quantization import PackedWeight, pack_weight
 from model.tp_layout import head_shard
 
@@ -26,6 +27,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new residual): one pass instead of two."""
+        ops = fused_ops_for(x)
+        if ops is not None and x.dim() == 2:
+            out, total = ops.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, total)
         if residual is not None:
             x = x + residual
             residual = x
@@ -75,7 +80,15 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
     """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
     cos, sin = cos_sin
+    ops = fused_ops_for(q)
+    if ops is not None:
+        return tuple(ops.rotary(q, k, cos, sin))
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def fused_ops_for(x: torch.Tensor):
+    """Pagoda's CPU kernels where they serve this tensor (fp32 on the CPU), else None."""
+    return cpu_ops() if x.dtype == torch.float32 and x.device.type == "cpu" else None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -53,6 +53,16 @@ inline v8i32 widen_i8(const int8_t* p) {
 #endif
 
 inline v8f to_floats(v8i32 ints) { return __builtin_convertvector(ints, v8f); }
+
+// c10::Half's conversion is a function call of some twenty instructions: once per 32 weights it
+// cost more than the weights' own arithmetic. F16C converts in one.
+inline float half_to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
 
 constexpr int64_t kGroup = 32;
 
@@ -108,9 +118,9 @@ void dequant_rows(const GroupedWeight& w, int64_t n0, int64_t rows, float* buf) 
     for (int64_t g = 0; g < groups; ++g) {
       float* out = buf + r * w.K + g * kGroup;
       const uint8_t* q = w.q + (first + g) * group_bytes;
-      const float scale = static_cast<float>(w.d[first + g]);
+      const float scale = half_to_float(w.d[first + g]);
       if (w.q4) {
-        dequant_q4_1(q, scale, static_cast<float>(w.m[first + g]), out);
+        dequant_q4_1(q, scale, half_to_float(w.m[first + g]), out);
       } else {
         dequant_q8_0(reinterpret_cast<const int8_t*>(q), scale, out);
       }
@@ -329,7 +339,86 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return out;
 }
 
+// The small per-layer ops of a decode step, one call each instead of five to ten of torch's: at one
+// token per step their dispatch, not their arithmetic, is the cost. fp32 only.
+
+// RMSNorm as HF computes it; with residual, x + residual first. Returns (normed, x + residual).
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                                    double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [T, hidden] float32");
+  x = x.contiguous();
+  const int64_t T = x.size(0), H = x.size(1);
+  auto sum = residual.has_value() ? torch::empty_like(x) : x;
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.has_value() ? residual->contiguous().data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* row = sp + t * H;
+      if (rp != nullptr)
+        for (int64_t i = 0; i < H; ++i) row[i] = xp[t * H + i] + rp[t * H + i];
+      float squares = 0.0f;
+      for (int64_t i = 0; i < H; ++i) squares += row[i] * row[i];
+      const float inv = 1.0f / std::sqrt(squares / H + static_cast<float>(eps));
+      for (int64_t i = 0; i < H; ++i) op[t * H + i] = wp[i] * (row[i] * inv);
+    }
+  });
+  return {out, sum};
+}
+
+// Rotary embedding of q [T, Hq, D] and k [T, Hk, D] (any strides between tokens and heads, D
+// contiguous) with cos, sin [T, D]: HF's rotate-half form. Returns new contiguous q and k.
+std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32, "q, k must be float32");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "head_dim must be contiguous");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t T = q.size(0), D = q.size(2), half = D / 2;
+  std::vector<torch::Tensor> outs;
+  for (const auto& x : {q, k}) {
+    auto out = torch::empty(x.sizes(), x.options());
+    const int64_t heads = x.size(1), st = x.stride(0), sh = x.stride(1);
+    const float* xp = x.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* snp = sin.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* in = xp + t * st + h * sh;
+        const float* c = cp + t * D;
+        const float* sn = snp + t * D;
+        float* o = op + (t * heads + h) * D;
+        for (int64_t i = 0; i < half; ++i) o[i] = in[i] * c[i] - in[i + half] * sn[i];
+        for (int64_t i = half; i < D; ++i) o[i] = in[i] * c[i] + in[i - half] * sn[i];
+      }
+    outs.push_back(out);
+  }
+  return outs;
+}
+
+// cache[slot_blocks[t], :, slot_offsets[t]] = new[t] for a step's K or V ([T, KVH, D]).
+void write_cache(torch::Tensor cache, torch::Tensor values, torch::Tensor slot_blocks, torch::Tensor slot_offsets) {
+  TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == values.scalar_type(), "cache and values must match");
+  values = values.contiguous();
+  const int64_t T = values.size(0), KVH = cache.size(1), block_size = cache.size(2), D = cache.size(3);
+  const int64_t row_bytes = D * cache.element_size();
+  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
+  char* cp = static_cast<char*>(cache.data_ptr());
+  const char* vp = static_cast<const char*>(values.data_ptr());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < KVH; ++h)
+      std::memcpy(cp + ((blocks[t] * KVH + h) * block_size + offsets[t]) * row_bytes, vp + (t * KVH + h) * row_bytes,
+                  row_bytes);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm, with the residual added first when given");
+  m.def("rotary", &rotary, "rotate-half rotary embedding of q and k");
+  m.def("write_cache", &write_cache, "a step's K or V into its cache slots");
   m.def("group_linear", &group_linear, "x @ W^T with W in GGUF groups of 32 (Q4_1 or Q8_0)");
   m.def("group_dequantize", &group_dequantize, "a grouped weight as float32");
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place");
