@@ -1,5 +1,5 @@
-"""Perplexity of the engine's model on offline text (Python's documentation topics), fp32 vs int8
-weights, through Pagoda's own ModelRunner (paged attention, chunked in windows), with HF
+"""Perplexity of the engine's model on offline text (Python's documentation topics) for each
+weight format (model/quantization.py: dense fp32, auto, dynamic int8, weight-only int8 / int4), through Pagoda's own ModelRunner (paged attention, chunked in windows), with HF
 transformers on the same windows as the reference.
 
     python benchmarks/perplexity.py [--tokens 8192] [--window 1024]
@@ -16,6 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from cluster.model_fetch import fetch_default_model
+from model.quantization import QUANTIZATION_MODES
 from model.runner import ModelRunner, SequenceInput
 from tests.parity_prompts import long_document
 
@@ -64,12 +65,14 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     token_ids = tokenizer(long_document(args.tokens * 5, start=20))["input_ids"][: args.tokens]
     results = {"date": time.strftime("%Y-%m-%d"), "tokens": len(token_ids), "window": args.window}
-    for quantization in (None, "int8"):
+    for quantization in QUANTIZATION_MODES:
         runner = ModelRunner(model_dir, num_blocks=-(-args.window // 16), quantization=quantization)
-        results[quantization or "fp32"] = perplexity(runner, token_ids, args.window)
-        print(quantization or "fp32", results[quantization or "fp32"], flush=True)
+        results[quantization] = perplexity(runner, token_ids, args.window)
+        results[f"{quantization}_weights"] = runner.weight_formats
+        print(quantization, results[quantization], runner.weight_formats, flush=True)
     results["hf_fp32"] = hf_perplexity(model_dir, token_ids, args.window)
-    results["int8_vs_fp32"] = results["int8"] / results["fp32"]
+    for quantization in QUANTIZATION_MODES:
+        results[f"{quantization}_vs_hf_fp32"] = results[quantization] / results["hf_fp32"]
     print(json.dumps(results, indent=2))
 
 

@@ -1,7 +1,9 @@
 """Throughput vs concurrency for Pagoda (HTTP and gRPC) and its peers, one after another in one
 session on this machine, with the same `pagoda bench` workload for all:
 
-    Pagoda         local Ray + Serve (launcher), OpenAI HTTP and gRPC; then with int8 weights (HTTP)
+    Pagoda         local Ray + Serve (launcher), OpenAI HTTP and gRPC ("pagoda"; HTTP only: "pagoda-http"),
+                   its default weights (on the default model: the GGUF's own Q4_1 groups, lossless);
+                   optionally dense fp32 ("pagoda-fp32") and dynamic int8 ("pagoda-int8"), HTTP
     llama.cpp      llama-server from the llama-cpp-python sdist, same GGUF, --parallel = concurrency
     HF static      transformers in-process, batches of up to `concurrency`, padded (c=1: one at a time)
 
@@ -37,7 +39,7 @@ def probe(label: str, level: int, target_at) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,4,16,32,64")
-    parser.add_argument("--targets", default="pagoda,pagoda-int8,llama.cpp,hf")
+    parser.add_argument("--targets", default="pagoda,llama.cpp,hf")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--out-dir", default="benchmarks/results/sweep")
@@ -52,6 +54,8 @@ def main():
 
     for variant, engine, labels in (
         ("pagoda", {}, ("pagoda-http", "pagoda-grpc")),
+        ("pagoda-http", {}, ("pagoda-http",)),
+        ("pagoda-fp32", {"quantization": "none"}, ("pagoda-fp32-http",)),
         ("pagoda-int8", {"quantization": "int8"}, ("pagoda-int8-http",)),
     ):
         if variant not in targets:

@@ -367,6 +367,12 @@ def status(http_address, as_json, api_key) -> None:
         if decision := dep.get("autoscaling"):
             click.echo(f"  autoscaling: {decision['current_replicas']} running, Serve's target "
                        f"{decision['target_replicas']}, policy asks {decision['num_replicas']}: {decision['reason']}")
+    for group in report.get("groups", []):
+        for rank in group.get("ranks", []):
+            if "weight_formats" in rank:  # how this host runs the model (chosen at load)
+                formats = ", ".join(f"{count} {name}" for name, count in rank["weight_formats"].items())
+                click.echo(f"{group['deployment']} {group['replica']} rank {rank['rank']}: quantization "
+                           f"{rank['quantization']} (weights: {formats}); attention: {rank['attention']}")
     for key, value in report.get("engine", {}).items():
         click.echo(f"  {key}: {value}")
 

@@ -143,7 +143,9 @@ class ModelRunner:
 
     def describe(self) -> list[dict]:
         return [{"rank": self.tp_rank, "pid": os.getpid(), "kv_heads": self.num_kv_heads, "num_blocks": self.num_blocks,
-                 "max_model_len": self.max_model_len}]
+                 "max_model_len": self.max_model_len, "quantization": self.quantization,
+                 "weight_formats": self.weight_formats,
+                 "attention": "paged kernel" if self.kernel_max_queries else "gathered blocks + SDPA"}]
 
     def shutdown(self) -> None:
         """Nothing to release: the tensors go with this object."""

@@ -44,6 +44,30 @@ class RequestDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def can_absorb(self, later: RequestDelta) -> bool:
+        return (later.request_id == self.request_id and later.index == self.index and not self.finished
+                and self.prefilled is None and self.error is None and later.error is None)
+
+    def absorb(self, later: RequestDelta) -> None:
+        """Append a later delta of the same candidate (several steps' tokens in one message)."""
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.new_text += later.new_text
+        self.new_logprobs = self.new_logprobs + later.new_logprobs
+        self.finish_reason, self.prefilled = later.finish_reason, later.prefilled
+
+
+def coalesce(items: list) -> list:
+    """Runs of consecutive deltas of one candidate merged into one delta each; anything else (an
+    error) kept in its place. Every token stays, in order."""
+    merged: list = []
+    for item in items:
+        previous = merged[-1] if merged else None
+        if isinstance(item, RequestDelta) and isinstance(previous, RequestDelta) and previous.can_absorb(item):
+            previous.absorb(item)
+        else:
+            merged.append(item)
+    return merged
+
 
 @dataclass(slots=True)
 class CompletionOutput:

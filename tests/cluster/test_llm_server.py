@@ -91,3 +91,37 @@ def test_beyond_the_waiting_cap_requests_are_refused_at_once(make_server):
             await stream.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_stream_that_falls_behind_gets_several_tokens_per_message(make_server):
+    """A consumer slower than the engine gets the waiting steps' tokens merged into one delta each
+    time it reads: fewer messages, every token in order (equal to a prompt consumer's tokens)."""
+    import time
+
+    server = make_server()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def consume(delay_s):
+        deltas = []
+        async for delta in server.generate(GenerationRequest(f"c{delay_s}", [5, 6, 7, 8], params)):
+            deltas.append(delta)
+            time.sleep(delay_s)  # blocks this loop: the engine thread keeps stepping meanwhile
+        return deltas
+
+    prompt, slow = asyncio.run(consume(0.0)), asyncio.run(consume(0.3))
+    tokens = lambda deltas: [t for d in deltas for t in d.new_token_ids]  # noqa: E731
+    assert len(tokens(prompt)) == 24 and tokens(slow) == tokens(prompt) and len(slow) < len(prompt)
+    assert slow[-1].finish_reason == "length" and "".join(d.new_text for d in slow) == "".join(d.new_text for d in prompt)
+
+
+def test_coalesce_keeps_errors_and_other_candidates_apart():
+    from cluster.engine.outputs import RequestDelta, coalesce
+
+    def delta(index, token, finish=None):
+        return RequestDelta("r", index, [token], str(token), [], finish, 3)
+
+    error = RuntimeError("x")
+    merged = coalesce([delta(0, 1), delta(0, 2), delta(1, 3), delta(1, 4, "stop"), delta(0, 5), error, delta(0, 6)])
+    assert [(d.index, d.new_token_ids, d.new_text, d.finish_reason) if isinstance(d, RequestDelta) else d
+            for d in merged] == [(0, [1, 2], "12", None), (1, [3, 4], "34", "stop"), (0, [5], "5", None), error,
+                                 (0, [6], "6", None)]
