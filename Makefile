@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# Compiled at install (pip's default), not skipped: where PYTHONDONTWRITEBYTECODE is set (this
 	# machine) every process would compile each module it imports, and Ray starts many processes
 	DS_BUILD_OPS=0 PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q -e '.[test]'
+	# Pagoda's CPU kernels (model/csrc), built for this CPU; without a compiler torch's paths run
+	$(BIN)/python -m model.cpu_ops || echo "Pagoda's CPU kernels did not build: the model runs on torch's paths"
 	touch $(STAMP)
 
 install: $(STAMP)

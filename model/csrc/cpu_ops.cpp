@@ -158,6 +158,59 @@ void rows_times_block(const float* x, int64_t M, int64_t K, const float* w, floa
 constexpr int64_t kRowBlock = 4;   // rows of W dequantized together
 constexpr int64_t kTokenBlock = 64;  // rows of x that share one dequantization (kept in L2)
 
+// For a few rows of x, dequantizing into a buffer costs more than the products: each group's
+// sum(q * x) is taken on the integers as floats and scaled once, x . w = sum_g d_g * sum(q x) +
+// m_g * sum(x) -- the same value as the dequantized product, summed in another order.
+constexpr int64_t kFewTokens = 2;
+
+inline float dot_q4_1_row(const GroupedWeight& w, int64_t n, const float* x, const float* group_sums) {
+  const int64_t groups = w.K / kGroup;
+  v8f acc = {};
+  float min_terms = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* q = w.q + (n * groups + g) * (kGroup / 2);
+    const float* xs = x + g * kGroup;
+    const v8i32 first = widen_u8(q), second = widen_u8(q + 8);
+    v8f partial = to_floats(first & 0xF) * load8(xs);
+    partial += to_floats(second & 0xF) * load8(xs + 8);
+    partial += to_floats(first >> 4) * load8(xs + 16);
+    partial += to_floats(second >> 4) * load8(xs + 24);
+    acc += splat(half_to_float(w.d[n * groups + g])) * partial;
+    min_terms += half_to_float(w.m[n * groups + g]) * group_sums[g];
+  }
+  return hsum(acc) + min_terms;
+}
+
+inline float dot_q8_0_row(const GroupedWeight& w, int64_t n, const float* x) {
+  const int64_t groups = w.K / kGroup;
+  v8f acc = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.q) + (n * groups + g) * kGroup;
+    const float* xs = x + g * kGroup;
+    v8f partial = to_floats(widen_i8(q)) * load8(xs);
+    for (int i = 1; i < 4; ++i) partial += to_floats(widen_i8(q + 8 * i)) * load8(xs + 8 * i);
+    acc += splat(half_to_float(w.d[n * groups + g])) * partial;
+  }
+  return hsum(acc);
+}
+
+void few_tokens_linear(const GroupedWeight& w, const float* x, int64_t M, int64_t N, float* out) {
+  const int64_t groups = w.K / kGroup;
+  std::vector<float> group_sums(M * groups);  // sum(x) per group, for Q4_1's minimums
+  for (int64_t t = 0; t < M; ++t)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < kGroup; ++i) sum += x[t * w.K + g * kGroup + i];
+      group_sums[t * groups + g] = sum;
+    }
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t t = 0; t < M; ++t)
+        out[t * N + n] = w.q4 ? dot_q4_1_row(w, n, x + t * w.K, group_sums.data() + t * groups)
+                              : dot_q8_0_row(w, n, x + t * w.K);
+  });
+}
+
 }  // namespace
 
 // x: [M, K] float32; qweight: [N, K/2] uint8 (Q4_1: byte j of a group holds weights j and j+16 in
@@ -178,6 +231,11 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   float* op = out.data_ptr<float>();
   const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
                         q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
+  if (M <= kFewTokens) {
+    few_tokens_linear(w, xp, M, N, op);
+    if (bias.has_value()) out += *bias;
+    return out;
+  }
   const int64_t num_row_blocks = (N + kRowBlock - 1) / kRowBlock;
   for (int64_t t0 = 0; t0 < M; t0 += kTokenBlock) {
     const int64_t tokens = std::min(kTokenBlock, M - t0);
@@ -201,19 +259,28 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   return out;
 }
 
-// The weight as a float32 [N, K] tensor (for long prefill chunks, where one dequantization and
-// MKL's GEMM beat the group kernel, and for checks).
-torch::Tensor group_dequantize(torch::Tensor qweight, torch::Tensor d, torch::Tensor m) {
+// The weight as float32 [N, K], written into `out` when given (a scratch buffer of at least N*K
+// floats, reused: a fresh tensor each call costs its page faults). For long prefill chunks, where
+// one dequantization and MKL's GEMM beat the group kernel, and for checks.
+torch::Tensor group_dequantize(torch::Tensor qweight, torch::Tensor d, torch::Tensor m,
+                               c10::optional<torch::Tensor> out) {
   const int64_t N = d.size(0), K = d.size(1) * kGroup;
   const bool q4 = qweight.scalar_type() == torch::kUInt8;
-  auto out = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  torch::Tensor result;
+  if (out.has_value()) {
+    TORCH_CHECK(out->scalar_type() == torch::kFloat32 && out->is_contiguous() && out->numel() >= N * K,
+                "out must be a contiguous float32 buffer of at least N*K elements");
+    result = out->view({-1}).narrow(0, 0, N * K).view({N, K});
+  } else {
+    result = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  }
   const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
                         q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
-  float* op = out.data_ptr<float>();
+  float* op = result.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     dequant_rows(w, begin, end - begin, op + begin * K);
   });
-  return out;
+  return result;
 }
 
 namespace {
@@ -415,11 +482,14 @@ void write_cache(torch::Tensor cache, torch::Tensor values, torch::Tensor slot_b
                   row_bytes);
 }
 
+// Every op lets go of the GIL while it runs, as torch's own ops do: a server's event loop thread
+// (streaming tokens) shares the process with the engine thread.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm, with the residual added first when given");
-  m.def("rotary", &rotary, "rotate-half rotary embedding of q and k");
-  m.def("write_cache", &write_cache, "a step's K or V into its cache slots");
-  m.def("group_linear", &group_linear, "x @ W^T with W in GGUF groups of 32 (Q4_1 or Q8_0)");
-  m.def("group_dequantize", &group_dequantize, "a grouped weight as float32");
-  m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place");
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, "RMSNorm, with the residual added first when given", no_gil);
+  m.def("rotary", &rotary, "rotate-half rotary embedding of q and k", no_gil);
+  m.def("write_cache", &write_cache, "a step's K or V into its cache slots", no_gil);
+  m.def("group_linear", &group_linear, "x @ W^T with W in GGUF groups of 32 (Q4_1 or Q8_0)", no_gil);
+  m.def("group_dequantize", &group_dequantize, "a grouped weight as float32", no_gil);
+  m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place", no_gil);
 }

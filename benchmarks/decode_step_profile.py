@@ -1,0 +1,115 @@
+"""Where a decode step's time goes: the engine step of a decode batch at a 512-token context, and
+the share of it spent in attention (cache write + paged attention, timed around every layer's
+call), for the weight formats and attention paths Pagoda has, in one session on this machine.
+
+    python -m benchmarks.decode_step_profile [--batches 1,32] [--context 512]
+
+Configurations: dense fp32 weights with gathered-block attention (the path before the CPU
+kernels), dense fp32 with the paged kernel, and the default (on the default model: its GGUF's own
+Q4_1 / Q8_0 groups) with the paged kernel. Also one 512-token prefill chunk per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from cluster import LLM, SamplingParams
+from cluster.bench.report import markdown_rows, save_rows
+from cluster.model_fetch import fetch_default_model
+from model.attention import PagedAttention
+
+CONFIGS = [("fp32 dense, gathered blocks", "none", False), ("fp32 dense, paged kernel", "none", True),
+           ("default (auto), paged kernel", "auto", True)]
+
+
+class AttentionClock:
+    """Adds up the wall time of every PagedAttention call (all layers) while installed."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._original = PagedAttention.__call__
+
+    def __enter__(self):
+        original, clock = self._original, self
+
+        def timed(attn, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(attn, *args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - start
+
+        PagedAttention.__call__ = timed
+        return self
+
+    def __exit__(self, *exc):
+        PagedAttention.__call__ = self._original
+
+
+def decode_profile(llm: LLM, batch: int, context: int, steps: int = 12) -> tuple[float, float]:
+    """(median step ms, attention share of the step) for a decode batch at ~context tokens."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+    ids = [f"d{batch}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, [1000 + (i * 7 + j) % 30000 for j in range(context)], params)
+    while (stats := engine.stats()).num_waiting or stats.num_prefilling:
+        engine.step()
+    times, shares = [], []
+    for _ in range(steps):
+        with AttentionClock() as clock:
+            start = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - start
+        times.append(elapsed)
+        shares.append(clock.seconds / elapsed)
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return statistics.median(times[2:]) * 1e3, statistics.median(shares[2:])
+
+
+def prefill_ms(llm: LLM, tokens: int = 512, repeats: int = 4) -> float:
+    engine = llm.engine
+    times = []
+    for r in range(repeats):
+        engine.add_request(f"p{r}", [3000 + r * 600 + j for j in range(tokens)], SamplingParams(max_tokens=1))
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_step_profile.json"))
+    args = parser.parse_args()
+    model_dir = str(fetch_default_model())
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    for label, quantization, kernel in CONFIGS:
+        llm = LLM(model_dir, num_blocks=(max(batches) + 1) * (args.context // 16 + 8), quantization=quantization,
+                  max_num_batched_tokens=512)
+        runner = llm.engine.executor
+        if not kernel:
+            runner.kernel_max_queries = 0
+        row = {"config": label, "weights": runner.weight_formats, "prefill_512_ms": round(prefill_ms(llm), 1)}
+        for batch in batches:
+            step, share = decode_profile(llm, batch, args.context)
+            row[f"step_ms_b{batch}"] = round(step, 1)
+            row[f"attention_share_b{batch}"] = round(share, 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        llm.shutdown()
+    save_rows(args.out, rows)
+    headers = list(rows[0])
+    print(markdown_rows(headers, [[str(row[h]) for h in headers] for row in rows]))
+
+
+if __name__ == "__main__":
+    main()
