@@ -50,8 +50,10 @@ class AttentionClock:
         PagedAttention.__call__ = self._original
 
 
-def decode_profile(llm: LLM, batch: int, context: int, steps: int = 12) -> tuple[float, float]:
-    """(median step ms, attention share of the step) for a decode batch at ~context tokens."""
+def decode_profile(llm: LLM, batch: int, context: int, steps: int = 12) -> tuple[float, float, float]:
+    """(median step ms, attention share of the step, median ms of a mixed step) for a decode
+    batch at ~context tokens; a mixed step is the same batch plus a new 128-token prompt's prefill
+    (what a server runs whenever a request arrives while others decode)."""
     engine = llm.engine
     params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
     ids = [f"d{batch}-{i}" for i in range(batch)]
@@ -67,9 +69,15 @@ def decode_profile(llm: LLM, batch: int, context: int, steps: int = 12) -> tuple
             elapsed = time.perf_counter() - start
         times.append(elapsed)
         shares.append(clock.seconds / elapsed)
+    mixed = []
+    for r in range(5):
+        engine.add_request(f"m{batch}-{r}", [20000 + r * 200 + j for j in range(128)], SamplingParams(max_tokens=1))
+        start = time.perf_counter()
+        engine.step()
+        mixed.append(time.perf_counter() - start)
     for request_id in ids:
         engine.abort_request(request_id)
-    return statistics.median(times[2:]) * 1e3, statistics.median(shares[2:])
+    return statistics.median(times[2:]) * 1e3, statistics.median(shares[2:]), statistics.median(mixed[1:]) * 1e3
 
 
 def prefill_ms(llm: LLM, tokens: int = 512, repeats: int = 4) -> float:
@@ -100,9 +108,10 @@ def main() -> None:
             runner.kernel_max_queries = 0
         row = {"config": label, "weights": runner.weight_formats, "prefill_512_ms": round(prefill_ms(llm), 1)}
         for batch in batches:
-            step, share = decode_profile(llm, batch, args.context)
+            step, share, mixed = decode_profile(llm, batch, args.context)
             row[f"step_ms_b{batch}"] = round(step, 1)
             row[f"attention_share_b{batch}"] = round(share, 3)
+            row[f"mixed_step_ms_b{batch}"] = round(mixed, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
         llm.shutdown()

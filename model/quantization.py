@@ -47,28 +47,11 @@ class GroupedWeight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, shape[-1]).float()
-        if x.shape[0] >= DENSE_FROM_TOKENS:  # a long prefill chunk: compute-bound, MKL's GEMM is faster
-            out = F.linear(x, self.dequantize(_scratch(self.shape[0] * self.shape[1])), self.bias)
-        else:
-            out = self._ops.group_linear(x, self.qweight, self.d, self.m if self.m is not None else self.d, self.bias)
+        out = self._ops.group_linear(x, self.qweight, self.d, self.m if self.m is not None else self.d, self.bias)
         return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
 
-    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._ops.group_dequantize(self.qweight, self.d, self.m if self.m is not None else self.d, out)
-
-
-# From this many tokens in one call, dequantizing into a scratch buffer and multiplying with MKL
-# beats the group kernel (measured in docs/benchmarks.md); below it the kernel reads 6x fewer bytes.
-DENSE_FROM_TOKENS = 128
-_scratch_buffer = torch.empty(0)
-
-
-def _scratch(numel: int) -> torch.Tensor:
-    """One float32 buffer per process for dequantized weights: layers run one after another."""
-    global _scratch_buffer
-    if _scratch_buffer.numel() < numel:
-        _scratch_buffer = torch.empty(numel)
-    return _scratch_buffer
+    def dequantize(self) -> torch.Tensor:
+        return self._ops.group_dequantize(self.qweight, self.d, self.m if self.m is not None else self.d, None)
 
 
 def _groups(weight: torch.Tensor) -> torch.Tensor | None:
