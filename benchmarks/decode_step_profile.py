@@ -95,12 +95,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--configs", default="0,1,2", help="which CONFIGS rows to run (indices)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_step_profile.json"))
     args = parser.parse_args()
     model_dir = str(fetch_default_model())
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
-    for label, quantization, kernel in CONFIGS:
+    for label, quantization, kernel in (CONFIGS[int(i)] for i in args.configs.split(",")):
         llm = LLM(model_dir, num_blocks=(max(batches) + 1) * (args.context // 16 + 8), quantization=quantization,
                   max_num_batched_tokens=512)
         runner = llm.engine.executor

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from cluster.model_fetch import fetch_default_model
-from model.quantization import QUANTIZATION_MODES
+from model.config import QUANTIZATION_MODES
 from model.runner import ModelRunner, SequenceInput
 from tests.parity_prompts import long_document
 

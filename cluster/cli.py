@@ -19,6 +19,8 @@ from pathlib import Path
 
 import click
 
+from model.config import QUANTIZATION_MODES
+
 
 @click.group()
 def main() -> None:
@@ -221,8 +223,9 @@ def usage(log, as_json) -> None:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
-@click.option("--quantization", type=click.Choice(["int8"]), default=None,
-              help="int8 weights (CPU): faster decode, not bit-equal to HF (see docs/benchmarks.md).")
+@click.option("--quantization", type=click.Choice(list(QUANTIZATION_MODES)), default=None,
+              help="Weight format (--offline; default auto: a GGUF-sourced model's own groups, lossless). "
+                   "See README and docs/benchmarks.md.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 @API_KEY_OPTION
 def generate(prompt, offline, server, model_dir, prompts_file, chat, images, audios, max_tokens, temperature, top_p,

@@ -20,10 +20,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from model.config import QUANTIZATION_MODES
 from model.cpu_ops import cpu_ops
 
 GROUP = 32
-QUANTIZATION_MODES = ("auto", "none", "int8", "int8-weights", "int4-weights")
 
 
 class PackedWeight(Protocol):
