@@ -51,7 +51,7 @@ class GroupedWeight:
         return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
 
     def dequantize(self) -> torch.Tensor:
-        return self._ops.group_dequantize(self.qweight, self.d, self.m if self.m is not None else self.d, None)
+        return self._ops.group_dequantize(self.qweight, self.d, self.m if self.m is not None else self.d)
 
 
 def _groups(weight: torch.Tensor) -> torch.Tensor | None:

@@ -259,21 +259,12 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   return out;
 }
 
-// The weight as float32 [N, K], written into `out` when given (a buffer of at least N*K floats).
-// For checks and for callers that want the dense weight: the group kernel matched or beat a
-// dequantization followed by MKL's GEMM at every batch size measured (1-256 tokens).
-torch::Tensor group_dequantize(torch::Tensor qweight, torch::Tensor d, torch::Tensor m,
-                               c10::optional<torch::Tensor> out) {
+// The weight as float32 [N, K]: for checks and for callers that want the dense weight (the group
+// kernel matched or beat a dequantization followed by MKL's GEMM at every batch size measured).
+torch::Tensor group_dequantize(torch::Tensor qweight, torch::Tensor d, torch::Tensor m) {
   const int64_t N = d.size(0), K = d.size(1) * kGroup;
   const bool q4 = qweight.scalar_type() == torch::kUInt8;
-  torch::Tensor result;
-  if (out.has_value()) {
-    TORCH_CHECK(out->scalar_type() == torch::kFloat32 && out->is_contiguous() && out->numel() >= N * K,
-                "out must be a contiguous float32 buffer of at least N*K elements");
-    result = out->view({-1}).narrow(0, 0, N * K).view({N, K});
-  } else {
-    result = torch::empty({N, K}, torch::dtype(torch::kFloat32));
-  }
+  auto result = torch::empty({N, K}, torch::dtype(torch::kFloat32));
   const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
                         q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
   float* op = result.data_ptr<float>();
