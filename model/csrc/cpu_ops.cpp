@@ -14,7 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -294,6 +294,52 @@ inline v8f load_kv8<at::BFloat16>(const at::BFloat16* p) {
   return out;
 }
 
+// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums for the price of about two.
+inline v8f sum8(const v8f* a) {
+#if defined(__AVX__)
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[0], (__m256)a[1]), _mm256_hadd_ps((__m256)a[2], (__m256)a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[4], (__m256)a[5]), _mm256_hadd_ps((__m256)a[6], (__m256)a[7]));
+  return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+#else
+  v8f sums;
+  for (int j = 0; j < 8; ++j) sums[j] = hsum(a[j]);
+  return sums;
+#endif
+}
+
+// One query's dot products with 8 consecutive keys (rows D apart).
+template <typename T>
+inline v8f dot8(const v8f* qv, const T* keys, int64_t D, int64_t lanes) {
+  v8f partial[8] = {};
+  for (int64_t l = 0; l < lanes; ++l)
+    for (int j = 0; j < 8; ++j) partial[j] += qv[l] * load_kv8(keys + j * D + 8 * l);
+  return sum8(partial);
+}
+
+// e^x of 8 values x <= 0 (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; ~1 ulp).
+inline v8f exp8(v8f x) {
+  const v8f lowest = splat(-87.3f);
+  x = x < lowest ? lowest : x;
+  const v8f fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  v8i32 n = __builtin_convertvector(fx, v8i32);  // truncation; a floor for the negative ones below
+  v8f nf = __builtin_convertvector(n, v8f);
+  const v8i32 too_big = nf > fx;  // -1 where truncation rounded up
+  n += too_big;
+  nf += __builtin_convertvector(too_big, v8f);
+  x = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
+  v8f y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * (x * x) + x + splat(1.0f);
+  const v8i32 bits = (n + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
 // One query row's heads of one KV head group against `len` keys; D a multiple of 8, at most 256.
 template <typename T>
 void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T* v_cache, int64_t block_stride,
@@ -316,25 +362,28 @@ void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T*
     const int64_t block = table[start / block_size], valid = std::min(block_size, len - start);
     const T* kb = k_cache + block * block_stride + head_offset;
     const T* vb = v_cache + block * block_stride + head_offset;
-    for (int64_t t = 0; t < valid; ++t) {
-      v8f kv[kMaxDim / 8];
-      for (int64_t l = 0; l < lanes; ++l) kv[l] = load_kv8(kb + t * D + 8 * l);
-      for (int64_t g = 0; g < group; ++g) {
-        v8f s = {};
-        for (int64_t l = 0; l < lanes; ++l) s += qv[g][l] * kv[l];
-        scores[g * block_size + t] = hsum(s);
-      }
-    }
     for (int64_t g = 0; g < group; ++g) {
       float* row = scores + g * block_size;
+      int64_t t = 0;
+      for (; t + 8 <= valid; t += 8) store8(row + t, dot8(qv[g], kb + t * D, D, lanes));
+      for (; t < valid; ++t) {
+        v8f s = {};
+        for (int64_t l = 0; l < lanes; ++l) s += qv[g][l] * load_kv8(kb + t * D + 8 * l);
+        row[t] = hsum(s);
+      }
       float block_max = row[0];
-      for (int64_t t = 1; t < valid; ++t) block_max = std::max(block_max, row[t]);
+      for (t = 1; t < valid; ++t) block_max = std::max(block_max, row[t]);
       const float new_max = std::max(running_max[g], block_max);
       const float rescale = std::exp(running_max[g] - new_max);
       running_max[g] = new_max;
       denom[g] *= rescale;
       for (int64_t l = 0; l < lanes; ++l) acc[g][l] *= splat(rescale);
-      for (int64_t t = 0; t < valid; ++t) {
+      for (t = 0; t + 8 <= valid; t += 8) {
+        const v8f p = exp8(load8(row + t) - splat(new_max));
+        store8(row + t, p);
+        denom[g] += hsum(p);
+      }
+      for (; t < valid; ++t) {
         row[t] = std::exp(row[t] - new_max);
         denom[g] += row[t];
       }

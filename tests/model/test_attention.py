@@ -59,11 +59,11 @@ def test_kernel_reads_blocks_in_place_like_the_torch_path(kernel_max_queries, dt
     the gathering path: equal outputs; bf16 caches too."""
     torch.manual_seed(1)
     heads, kv_heads, dim, block = 9, 3, 64, 16
-    shapes = [(40, 1), (3, 1), (100, 1), (0, 20), (37, 5), (16, 3)]
+    shapes = [(40, 1), (3, 1), (100, 1), (300, 1), (0, 20), (37, 5), (16, 3)]
     free = iter(torch.randperm(64).tolist())
     tables = [[next(free) for _ in range(-(-(c + n) // block))] for c, n in shapes]
     caches = [torch.randn(64, kv_heads, block, dim).to(dtype) for _ in range(2)]
-    args = (block, 3, [n for _, n in shapes], [c + n for c, n in shapes], tables)
+    args = (block, 4, [n for _, n in shapes], [c + n for c, n in shapes], tables)
     total = sum(n for _, n in shapes)
     q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
     outs = []
