@@ -1,0 +1,48 @@
+"""The C++ layer stack (model/decode_stack.py) computes what the Python layers compute, on the
+default model's grouped weights and on a tiny Qwen2's dense weights with qkv biases."""
+
+import pytest
+import torch
+
+from model import decode_stack
+from model.cpu_ops import cpu_ops
+from model.runner import ModelRunner, SequenceInput
+from tests.model.test_tiny_models import ARCHITECTURES, save_tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="Pagoda's CPU kernels could not be built here")
+
+
+def decode_and_chunk_step(runner: ModelRunner):
+    """Two prompts prefilled (long chunks: the Python path), then a step the stack can serve: one
+    decode and a 5-token chunk."""
+    runner.execute([SequenceInput(list(range(100, 140)), 0, [0, 1, 2], None),
+                    SequenceInput(list(range(300, 335)), 0, [3, 4, 5], None)])
+    return runner.prepare([SequenceInput([7], 40, [0, 1, 2], None), SequenceInput(list(range(500, 505)), 35, [3, 4, 5], None)])
+
+
+@pytest.fixture(params=["default", "qwen2"])
+def runner(request, model_dir, tmp_path):
+    if request.param == "default":
+        return ModelRunner(model_dir, num_blocks=8)
+    path, _ = save_tiny_model(*ARCHITECTURES["qwen2"], tmp_path / "qwen2", model_dir)
+    return ModelRunner(path, num_blocks=8)
+
+
+@torch.inference_mode()
+def test_stack_equals_the_python_layers(runner, monkeypatch):
+    step = decode_and_chunk_step(runner)
+    assert decode_stack.serves(step.ctx)
+    with monkeypatch.context() as patch:
+        patch.setattr(decode_stack, "serves", lambda ctx: False)
+        python = runner.model(step.input_ids, step.positions, step.ctx)
+        python_cache = runner.kv_cache.clone()
+    fused = runner.model(step.input_ids, step.positions, step.ctx)
+    assert type(runner.model._decode_stack).__name__ == "DecodeStack"  # it ran
+    torch.testing.assert_close(fused, python, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runner.kv_cache, python_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_weights_take_the_python_path(model_dir):
+    runner = ModelRunner(model_dir, num_blocks=8, quantization="int8")
+    decode_and_chunk_step(runner)
+    assert decode_stack.build_decode_stack(runner.model) is None
