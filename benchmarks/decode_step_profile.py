@@ -6,13 +6,15 @@ call), for the weight formats and attention paths Pagoda has, in one session on 
 
 Configurations: dense fp32 weights with gathered-block attention (the path before the CPU
 kernels), dense fp32 with the paged kernel, and the default (on the default model: its GGUF's own
-Q4_1 / Q8_0 groups) with the paged kernel. Also one 512-token prefill chunk per configuration.
+Q4_1 / Q8_0 groups) with the paged kernel, through the Python layers and through the C++ layer
+stack (the default). Also one 512-token prefill chunk per configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -20,10 +22,14 @@ from pathlib import Path
 from cluster import LLM, SamplingParams
 from cluster.bench.report import markdown_rows, save_rows
 from cluster.model_fetch import fetch_default_model
+from model import decode_stack
 from model.attention import PagedAttention
 
-CONFIGS = [("fp32 dense, gathered blocks", "none", False), ("fp32 dense, paged kernel", "none", True),
-           ("default (auto), paged kernel", "auto", True)]
+# (label, quantization, paged kernel, C++ layer stack); the attention share is timed around the
+# Python layers' attention calls, so the stack's rows have none.
+CONFIGS = [("fp32 dense, gathered blocks", "none", False, False), ("fp32 dense, paged kernel", "none", True, False),
+           ("default (auto), paged kernel", "auto", True, False),
+           ("default (auto), paged kernel, layer stack", "auto", True, True)]
 
 
 class AttentionClock:
@@ -95,13 +101,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--configs", default="0,1,2", help="which CONFIGS rows to run (indices)")
+    parser.add_argument("--configs", default="0,1,2,3", help="which CONFIGS rows to run (indices)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_step_profile.json"))
     args = parser.parse_args()
     model_dir = str(fetch_default_model())
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
-    for label, quantization, kernel in (CONFIGS[int(i)] for i in args.configs.split(",")):
+    for label, quantization, kernel, stack in (CONFIGS[int(i)] for i in args.configs.split(",")):
+        os.environ[decode_stack.SWITCH] = "1" if stack else "0"  # read when the model builds its stack
         llm = LLM(model_dir, num_blocks=(max(batches) + 1) * (args.context // 16 + 8), quantization=quantization,
                   max_num_batched_tokens=512)
         runner = llm.engine.executor
@@ -111,7 +118,7 @@ def main() -> None:
         for batch in batches:
             step, share, mixed = decode_profile(llm, batch, args.context)
             row[f"step_ms_b{batch}"] = round(step, 1)
-            row[f"attention_share_b{batch}"] = round(share, 3)
+            row[f"attention_share_b{batch}"] = round(share, 3) if not stack else None
             row[f"mixed_step_ms_b{batch}"] = round(mixed, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -9,12 +9,16 @@ chunks, KV export layer by layer, tensor parallelism, int8 weights) take the Pyt
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from model.attention import AttentionContext
 from model.cpu_ops import cpu_ops
 from model.layers import LinearBase
 from model.quantization import GroupedWeight
+
+SWITCH = "PAGODA_DECODE_STACK"  # "0": every step through the Python layers (for comparisons)
 
 
 def linear_parts(linear: LinearBase):
@@ -31,7 +35,7 @@ def build_decode_stack(model):
     """A DecodeStack holding `model`'s weights (a LlamaForCausalLM after `quantize`), or None
     where it cannot serve this model (no kernels, not fp32, TP, a weight format it lacks)."""
     ops = cpu_ops()
-    if ops is None or model.tp_size > 1 or model.norm.weight.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
+    if ops is None or os.environ.get(SWITCH, "1") == "0" or model.tp_size > 1 or model.norm.weight.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
         return None
     first = model.layers[0].self_attn
     stack = ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, model.config.rms_norm_eps,

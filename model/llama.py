@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model import decode_stack
 from model.attention import AttentionContext, PagedAttention
 from model.config import ModelConfig
 from model.layers import (
@@ -22,9 +21,9 @@ from model.layers import (
     RowParallelLinear,
     VocabEmbedding,
     apply_rotary,
-    fused_ops_for,
     silu_and_mul,
 )
+from model.decode_stack import serves as stack_serves
 from model.quantization import PackedWeight, pack_weight
 
 
@@ -108,7 +107,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else VocabEmbedding(config.vocab_size, config.hidden_size)
         self.packed_head: PackedWeight | None = None
-        self._decode_stack = None  # built on the first step it can serve; False: cannot serve this model
+        # The C++ layer stack (model/decode_stack.py), set by whoever runs the model once its weights
+        # and caches are final; steps it serves skip the Python layers.
+        self.decode_stack = None
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
@@ -123,26 +124,17 @@ class LlamaForCausalLM(nn.Module):
         if embeds is not None:
             hidden[embeds[0]] = embeds[1]
         rope = self.rotary.cos_sin(positions, hidden.dtype)
-        stack = self._stack_for(hidden, ctx) if after_layer is None else None
-        if stack is not None:
-            caches = self.attention_layers
-            kernel = ctx.kernel
-            return stack.forward(hidden, *rope, [a.k_cache for a in caches], [a.v_cache for a in caches],
-                                 ctx.slot_blocks, ctx.slot_offsets, kernel.tables, kernel.row_seq, kernel.row_len)
+        if self.decode_stack is not None and after_layer is None and stack_serves(ctx):
+            caches, kernel = self.attention_layers, ctx.kernel
+            return self.decode_stack.forward(hidden, *rope, [a.k_cache for a in caches], [a.v_cache for a in caches],
+                                             ctx.slot_blocks, ctx.slot_offsets, kernel.tables, kernel.row_seq,
+                                             kernel.row_len)
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(rope, hidden, residual, ctx)
             if after_layer is not None:
                 after_layer(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def _stack_for(self, hidden: torch.Tensor, ctx: AttentionContext):
-        """The C++ layer stack (model/decode_stack.py) if it serves this step, else None."""
-        if not decode_stack.serves(ctx) or fused_ops_for(hidden) is None:
-            return None
-        if self._decode_stack is None:
-            self._decode_stack = decode_stack.build_decode_stack(self) or False
-        return self._decode_stack or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:
@@ -153,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
     def quantize(self, mode: str) -> dict[str, int]:
         """Pack the linear layers' and the LM head's weights as `mode` says (model/quantization.py);
         the embedding lookup stays float. Returns how many matrices took each format."""
-        self._decode_stack = None  # holds the weights it was built from
+        self.decode_stack = None  # it holds the weights it was built from
         formats: dict[str, int] = {}
         for module in self.modules():
             if isinstance(module, LinearBase):

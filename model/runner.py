@@ -21,6 +21,7 @@ import torch
 from model.attention import AttentionContext, build_attention_context
 from model.config import ModelConfig
 from model.cpu_ops import cpu_ops
+from model.decode_stack import build_decode_stack
 from model.kv_transfer import KVExporter, KVImport, KVPart, from_numpy, install, to_numpy, token_slots
 from model.llama import LlamaForCausalLM
 from model.loader import load_weights
@@ -120,6 +121,7 @@ class ModelRunner:
         )
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.model.decode_stack = build_decode_stack(self.model) if self.kernel_max_queries else None
 
     def read_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
         """A copy of each block's KV, this rank's heads: [layers, K/V, kv_heads, block_size, head_dim]
@@ -145,7 +147,12 @@ class ModelRunner:
         return [{"rank": self.tp_rank, "pid": os.getpid(), "kv_heads": self.num_kv_heads, "num_blocks": self.num_blocks,
                  "max_model_len": self.max_model_len, "quantization": self.quantization,
                  "weight_formats": self.weight_formats,
-                 "attention": "paged kernel" if self.kernel_max_queries else "gathered blocks + SDPA"}]
+                 "attention": self._attention_path()}]
+
+    def _attention_path(self) -> str:
+        if not self.kernel_max_queries:
+            return "gathered blocks + SDPA"
+        return "paged kernel, layer stack" if self.model.decode_stack is not None else "paged kernel"
 
     def shutdown(self) -> None:
         """Nothing to release: the tensors go with this object."""

@@ -29,20 +29,20 @@ def runner(request, model_dir, tmp_path):
 
 
 @torch.inference_mode()
-def test_stack_equals_the_python_layers(runner, monkeypatch):
+def test_stack_equals_the_python_layers(runner):
     step = decode_and_chunk_step(runner)
     assert decode_stack.serves(step.ctx)
-    with monkeypatch.context() as patch:
-        patch.setattr(decode_stack, "serves", lambda ctx: False)
-        python = runner.model(step.input_ids, step.positions, step.ctx)
-        python_cache = runner.kv_cache.clone()
+    stack, runner.model.decode_stack = runner.model.decode_stack, None
+    python = runner.model(step.input_ids, step.positions, step.ctx)
+    python_cache = runner.kv_cache.clone()
+    runner.model.decode_stack = stack
     fused = runner.model(step.input_ids, step.positions, step.ctx)
-    assert type(runner.model._decode_stack).__name__ == "DecodeStack"  # it ran
+    assert runner.describe()[0]["attention"] == "paged kernel, layer stack"
     torch.testing.assert_close(fused, python, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(runner.kv_cache, python_cache, rtol=1e-5, atol=1e-5)
 
 
 def test_int8_weights_take_the_python_path(model_dir):
     runner = ModelRunner(model_dir, num_blocks=8, quantization="int8")
-    decode_and_chunk_step(runner)
-    assert decode_stack.build_decode_stack(runner.model) is None
+    assert runner.model.decode_stack is None
+    assert runner.describe()[0]["attention"] == "paged kernel"
