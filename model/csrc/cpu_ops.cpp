@@ -284,6 +284,10 @@ inline v8f load_kv8<float>(const float* p) { return load8(p); }
 
 template <>
 inline v8f load_kv8<at::BFloat16>(const at::BFloat16* p) {
+#if defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#else
   typedef uint16_t v8u16 __attribute__((vector_size(16)));
   typedef uint32_t v8u32 __attribute__((vector_size(32)));
   v8u16 bits;
@@ -292,6 +296,7 @@ inline v8f load_kv8<at::BFloat16>(const at::BFloat16* p) {
   v8f out;
   std::memcpy(&out, &wide, sizeof(out));
   return out;
+#endif
 }
 
 // [sum(a[0]), ..., sum(a[7])]: eight horizontal sums for the price of about two.
@@ -307,9 +312,11 @@ inline v8f sum8(const v8f* a) {
 #endif
 }
 
-// One query's dot products with 8 consecutive keys (rows D apart).
-template <typename T>
-inline v8f dot8(const v8f* qv, const T* keys, int64_t D, int64_t lanes) {
+// One query's dot products with 8 consecutive keys (rows 8 * lanes apart); kLanes > 0 fixes
+// lanes at compile time.
+template <typename T, int kLanes>
+inline v8f dot8(const v8f* qv, const T* keys, int64_t runtime_lanes) {
+  const int64_t lanes = kLanes > 0 ? kLanes : runtime_lanes, D = 8 * lanes;
   v8f partial[8] = {};
   for (int64_t l = 0; l < lanes; ++l)
     for (int j = 0; j < 8; ++j) partial[j] += qv[l] * load_kv8(keys + j * D + 8 * l);
@@ -340,13 +347,28 @@ inline v8f exp8(v8f x) {
   return y * scale;
 }
 
-// One query row's heads of one KV head group against `len` keys; D a multiple of 8, at most 256.
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead attend() fetches a sequence's blocks
+
 template <typename T>
+inline void prefetch_block(const T* k_cache, const T* v_cache, int64_t offset, int64_t count) {
+  const char* k = reinterpret_cast<const char*>(k_cache + offset);
+  const char* v = reinterpret_cast<const char*>(v_cache + offset);
+  for (int64_t byte = 0; byte < count * static_cast<int64_t>(sizeof(T)); byte += 64) {
+    __builtin_prefetch(k + byte);
+    __builtin_prefetch(v + byte);
+  }
+}
+
+// One query row's heads of one KV head group against `len` keys; D = 8 * lanes, at most 256.
+// kLanes > 0 fixes lanes at compile time (the common head dims): then a head's accumulators stay
+// in registers while it takes a block's values, instead of a load and a store per product.
+template <typename T, int kLanes>
 void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T* v_cache, int64_t block_stride,
             int64_t head_offset, const int64_t* table, int64_t block_size, int64_t len, float scale, float* scratch,
             float* out) {
   constexpr int64_t kMaxGroup = 16, kMaxDim = 256;
-  const int64_t lanes = D / 8;
+  const int64_t lanes = kLanes > 0 ? kLanes : D / 8;
+  if (kLanes > 0) D = 8 * kLanes;
   v8f qv[kMaxGroup][kMaxDim / 8], acc[kMaxGroup][kMaxDim / 8];
   float running_max[kMaxGroup], denom[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
@@ -362,10 +384,13 @@ void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T*
     const int64_t block = table[start / block_size], valid = std::min(block_size, len - start);
     const T* kb = k_cache + block * block_stride + head_offset;
     const T* vb = v_cache + block * block_stride + head_offset;
+    // Blocks lie anywhere in the cache, so the hardware cannot guess the next ones: fetch ahead.
+    for (int64_t ahead = start == 0 ? 0 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
+      if (start + ahead * block_size < len) prefetch_block(k_cache, v_cache, table[start / block_size + ahead] * block_stride + head_offset, block_size * D);
     for (int64_t g = 0; g < group; ++g) {
       float* row = scores + g * block_size;
       int64_t t = 0;
-      for (; t + 8 <= valid; t += 8) store8(row + t, dot8(qv[g], kb + t * D, D, lanes));
+      for (; t + 8 <= valid; t += 8) store8(row + t, dot8<T, kLanes>(qv[g], kb + t * D, lanes));
       for (; t < valid; ++t) {
         v8f s = {};
         for (int64_t l = 0; l < lanes; ++l) s += qv[g][l] * load_kv8(kb + t * D + 8 * l);
@@ -377,7 +402,6 @@ void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T*
       const float rescale = std::exp(running_max[g] - new_max);
       running_max[g] = new_max;
       denom[g] *= rescale;
-      for (int64_t l = 0; l < lanes; ++l) acc[g][l] *= splat(rescale);
       for (t = 0; t + 8 <= valid; t += 8) {
         const v8f p = exp8(load8(row + t) - splat(new_max));
         store8(row + t, p);
@@ -387,19 +411,30 @@ void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T*
         row[t] = std::exp(row[t] - new_max);
         denom[g] += row[t];
       }
-    }
-    for (int64_t t = 0; t < valid; ++t) {
-      v8f vv[kMaxDim / 8];
-      for (int64_t l = 0; l < lanes; ++l) vv[l] = load_kv8(vb + t * D + 8 * l);
-      for (int64_t g = 0; g < group; ++g) {
-        const v8f p = splat(scores[g * block_size + t]);
-        for (int64_t l = 0; l < lanes; ++l) acc[g][l] += p * vv[l];
+      v8f a[kMaxDim / 8];
+      for (int64_t l = 0; l < lanes; ++l) a[l] = acc[g][l] * splat(rescale);
+      for (t = 0; t < valid; ++t) {
+        const v8f p = splat(row[t]);
+        for (int64_t l = 0; l < lanes; ++l) a[l] += p * load_kv8(vb + t * D + 8 * l);
       }
+      for (int64_t l = 0; l < lanes; ++l) acc[g][l] = a[l];
     }
   }
   for (int64_t g = 0; g < group; ++g) {
     const v8f inv = splat(1.0f / denom[g]);
     for (int64_t l = 0; l < lanes; ++l) store8(out + g * D + 8 * l, acc[g][l] * inv);
+  }
+}
+
+// attend<T, lanes> for the head dims that have their own build, else the general one.
+template <typename T>
+void attend_any(const float* q, int64_t group, int64_t D, const T* k_cache, const T* v_cache, int64_t block_stride,
+                int64_t head_offset, const int64_t* table, int64_t block_size, int64_t len, float scale,
+                float* scratch, float* out) {
+  switch (D) {
+    case 64: return attend<T, 8>(q, group, D, k_cache, v_cache, block_stride, head_offset, table, block_size, len, scale, scratch, out);
+    case 128: return attend<T, 16>(q, group, D, k_cache, v_cache, block_stride, head_offset, table, block_size, len, scale, scratch, out);
+    default: return attend<T, 0>(q, group, D, k_cache, v_cache, block_stride, head_offset, table, block_size, len, scale, scratch, out);
   }
 }
 
@@ -435,10 +470,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       const int64_t* table = tp + seq[t] * max_blocks;
       const int64_t offset = h * block_size * D;
       if (k_cache.scalar_type() == torch::kBFloat16) {
-        attend(qh, group, D, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_stride, offset,
+        attend_any(qh, group, D, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_stride, offset,
                table, block_size, lens[t], static_cast<float>(scale), scratch.data(), oh);
       } else {
-        attend(qh, group, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_stride, offset, table,
+        attend_any(qh, group, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_stride, offset, table,
                block_size, lens[t], static_cast<float>(scale), scratch.data(), oh);
       }
     }
