@@ -112,6 +112,10 @@ class _Stream:
             return False
 
 
+# Decodes per step up to which the engine leaves a core to the serving processes (_step_threads).
+LIGHT_STEP_ROWS = 4
+
+
 class LLMServer:
     def __init__(
         self,
@@ -305,7 +309,8 @@ class LLMServer:
     def _run(self, engine_config: dict, torch_threads: int | None, built: concurrent.futures.Future) -> None:
         # Ray caps OMP threads at the replica's num_cpus (1 by default), which halves decode speed
         # on a small CPU node; the engine is the node's main CPU consumer, so it takes them all.
-        torch.set_num_threads(torch_threads or os.cpu_count() or 1)
+        threads = torch_threads or os.cpu_count() or 1
+        torch.set_num_threads(threads)
         try:
             engine = LLMEngine.from_config(EngineConfig(**engine_config))
         except BaseException as e:  # noqa: BLE001 - handed to __init__, which raises it
@@ -330,6 +335,9 @@ class LLMServer:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
+            step_threads = self._step_threads(engine, threads)
+            if step_threads != torch.get_num_threads():
+                torch.set_num_threads(step_threads)
             try:
                 deltas = engine.step()
             except WorkerLostError as e:  # a TP rank's process died: this engine cannot run again
@@ -351,6 +359,16 @@ class LLMServer:
         self._drain_inbox()
         self._fail_all(ServerDrainingError("the server stopped before this request finished; retry"))
         self._drain_kv(engine)
+
+    def _step_threads(self, engine: LLMEngine, threads: int) -> int:
+        """One thread fewer for a step of a few decodes and nothing to prefill: such a step is too
+        short to gain from the last core, and that core is what the streams' other processes
+        (ingress, proxy) run on meanwhile; without it a thread of the engine's own is descheduled
+        under them and its partner waits at every barrier (on 2 cores, one stream: TPOT 27.7 ->
+        25 ms; docs/benchmarks.md). Prefill and larger batches take every thread."""
+        stats = self._last_stats  # the last step's; arrivals since then are in num_waiting
+        light = engine.num_waiting == 0 and stats.num_prefilling == 0 and stats.num_running <= LIGHT_STEP_ROWS
+        return max(1, threads - 1) if light else threads
 
     def _drain_kv(self, engine: LLMEngine) -> None:
         """A planned stop (Serve stops the replica, `pagoda serve` is interrupted): the device
