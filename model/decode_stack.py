@@ -34,8 +34,10 @@ def linear_parts(linear: LinearBase):
 def build_decode_stack(model):
     """A DecodeStack holding `model`'s weights (a LlamaForCausalLM after `quantize`), or None
     where it cannot serve this model (no kernels, not fp32, TP, a weight format it lacks)."""
-    ops = cpu_ops()
-    if ops is None or os.environ.get(SWITCH, "1") == "0" or model.tp_size > 1 or model.norm.weight.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
+    ops, norm = cpu_ops(), model.norm.weight
+    if ops is None or os.environ.get(SWITCH, "1") == "0" or model.tp_size > 1:
+        return None
+    if norm.dtype != torch.float32 or norm.device.type != "cpu":
         return None
     first = model.layers[0].self_attn
     stack = ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, model.config.rms_norm_eps,

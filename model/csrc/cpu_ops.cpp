@@ -385,8 +385,11 @@ void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T*
     const T* kb = k_cache + block * block_stride + head_offset;
     const T* vb = v_cache + block * block_stride + head_offset;
     // Blocks lie anywhere in the cache, so the hardware cannot guess the next ones: fetch ahead.
-    for (int64_t ahead = start == 0 ? 0 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
-      if (start + ahead * block_size < len) prefetch_block(k_cache, v_cache, table[start / block_size + ahead] * block_stride + head_offset, block_size * D);
+    for (int64_t ahead = start == 0 ? 0 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
+      if (start + ahead * block_size >= len) break;
+      const int64_t offset = table[start / block_size + ahead] * block_stride + head_offset;
+      prefetch_block(k_cache, v_cache, offset, block_size * D);
+    }
     for (int64_t g = 0; g < group; ++g) {
       float* row = scores + g * block_size;
       int64_t t = 0;
@@ -431,10 +434,13 @@ template <typename T>
 void attend_any(const float* q, int64_t group, int64_t D, const T* k_cache, const T* v_cache, int64_t block_stride,
                 int64_t head_offset, const int64_t* table, int64_t block_size, int64_t len, float scale,
                 float* scratch, float* out) {
+  auto run = [&](auto kernel) {
+    kernel(q, group, D, k_cache, v_cache, block_stride, head_offset, table, block_size, len, scale, scratch, out);
+  };
   switch (D) {
-    case 64: return attend<T, 8>(q, group, D, k_cache, v_cache, block_stride, head_offset, table, block_size, len, scale, scratch, out);
-    case 128: return attend<T, 16>(q, group, D, k_cache, v_cache, block_stride, head_offset, table, block_size, len, scale, scratch, out);
-    default: return attend<T, 0>(q, group, D, k_cache, v_cache, block_stride, head_offset, table, block_size, len, scale, scratch, out);
+    case 64: return run(attend<T, 8>);
+    case 128: return run(attend<T, 16>);
+    default: return run(attend<T, 0>);
   }
 }
 
@@ -470,11 +476,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       const int64_t* table = tp + seq[t] * max_blocks;
       const int64_t offset = h * block_size * D;
       if (k_cache.scalar_type() == torch::kBFloat16) {
-        attend_any(qh, group, D, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_stride, offset,
-               table, block_size, lens[t], static_cast<float>(scale), scratch.data(), oh);
+        attend_any(qh, group, D, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_stride,
+                   offset, table, block_size, lens[t], static_cast<float>(scale), scratch.data(), oh);
       } else {
         attend_any(qh, group, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_stride, offset, table,
-               block_size, lens[t], static_cast<float>(scale), scratch.data(), oh);
+                   block_size, lens[t], static_cast<float>(scale), scratch.data(), oh);
       }
     }
   });
@@ -557,7 +563,7 @@ void write_cache(torch::Tensor cache, torch::Tensor values, torch::Tensor slot_b
                   row_bytes);
 }
 
-// SiLU(gate) * up for x = [gate | up] ([T, 2I]) -> [T, I].
+// SiLU(gate) * up for x = [gate | up] ([T, 2I]) -> [T, I] (the layer stack's; Python uses torch's).
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) % 2 == 0, "x must be [T, 2I] float32");
   x = x.contiguous();
@@ -655,7 +661,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_linear", &group_linear, "x @ W^T with W in GGUF groups of 32 (Q4_1 or Q8_0)", no_gil);
   m.def("group_dequantize", &group_dequantize, "a grouped weight as float32", no_gil);
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place", no_gil);
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up", no_gil);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
