@@ -1,8 +1,9 @@
 """Perplexity of the engine's model on offline text (Python's documentation topics) for each
-weight format (model/quantization.py: dense fp32, auto, dynamic int8, weight-only int8 / int4), through Pagoda's own ModelRunner (paged attention, chunked in windows), with HF
-transformers on the same windows as the reference.
+weight format (model/quantization.py: dense fp32, auto, dynamic int8, weight-only int8 / int4),
+through Pagoda's own ModelRunner (paged attention, chunked in windows), with HF transformers on
+the same windows as the reference.
 
-    python benchmarks/perplexity.py [--tokens 8192] [--window 1024]
+    python -m benchmarks.perplexity [--tokens 8192] [--window 1024] [--modes auto,none,...] [--no-hf]
 """
 
 from __future__ import annotations
@@ -60,19 +61,23 @@ def main():
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--modes", default=",".join(QUANTIZATION_MODES), help="weight formats to measure")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF fp32 reference")
     args = parser.parse_args()
+    modes = args.modes.split(",")
     model_dir = args.model or str(fetch_default_model())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     token_ids = tokenizer(long_document(args.tokens * 5, start=20))["input_ids"][: args.tokens]
     results = {"date": time.strftime("%Y-%m-%d"), "tokens": len(token_ids), "window": args.window}
-    for quantization in QUANTIZATION_MODES:
+    for quantization in modes:
         runner = ModelRunner(model_dir, num_blocks=-(-args.window // 16), quantization=quantization)
         results[quantization] = perplexity(runner, token_ids, args.window)
         results[f"{quantization}_weights"] = runner.weight_formats
         print(quantization, results[quantization], runner.weight_formats, flush=True)
-    results["hf_fp32"] = hf_perplexity(model_dir, token_ids, args.window)
-    for quantization in QUANTIZATION_MODES:
-        results[f"{quantization}_vs_hf_fp32"] = results[quantization] / results["hf_fp32"]
+    if not args.no_hf:
+        results["hf_fp32"] = hf_perplexity(model_dir, token_ids, args.window)
+        for quantization in modes:
+            results[f"{quantization}_vs_hf_fp32"] = results[quantization] / results["hf_fp32"]
     print(json.dumps(results, indent=2))
 
 
