@@ -122,7 +122,8 @@ class AppConfig(BaseModel):
     request_deadline: RequestDeadline = Field(default_factory=RequestDeadline,
                                               description="a request's deadline from its size, when its client sets none")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM or a replica stop: how long requests in flight may finish")
-    torch_threads: int | None = Field(None, description="torch threads of the engine (default: all CPUs of the node)")
+    torch_threads: int | None = Field(None, description="torch threads of the engine (default: all CPUs of the node; a step of a "
+                                                      "few decodes takes one fewer, leaving that core to the serving processes)")
     llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**SERVER_DEFAULTS))
     disaggregated: bool = Field(False, description="prefill on PrefillServer, decode on the LLMServer deployment")
     prefill_engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options of the prefill side over `engine`")
