@@ -56,7 +56,7 @@ def main() -> None:
 
 
 def attention_ms(rows: int, context: int, dtype: torch.dtype, layers: int = 30, block: int = 16) -> tuple[float, float]:
-    """(median ms for `layers` calls, GB/s of K/V read) for decode rows over scattered blocks."""
+    """(mean ms for `layers` calls, GB/s of K/V read) for decode rows over scattered blocks."""
     heads, kv_heads, dim = 9, 3, 64
     per_row = context // block
     num_blocks = rows * per_row + 64

@@ -40,8 +40,7 @@ def build_decode_stack(model):
     if norm.dtype != torch.float32 or norm.device.type != "cpu":
         return None
     first = model.layers[0].self_attn
-    stack = ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, model.config.rms_norm_eps,
-                            model.norm.weight.data)
+    stack = ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, model.config.rms_norm_eps, norm.data)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = [linear_parts(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -52,5 +51,6 @@ def build_decode_stack(model):
 
 
 def serves(ctx: AttentionContext) -> bool:
-    """Whether every row of the step goes to the paged kernel (no long chunk, nothing gathered)."""
-    return ctx.kernel is not None and ctx.kernel.rows is None and not ctx.prefills and ctx.num_decodes == 0
+    """Whether every row of the step goes to the paged kernel: a kernel context (which gathers
+    nothing) without a long chunk."""
+    return ctx.kernel is not None and not ctx.prefills
