@@ -5,8 +5,12 @@
 1. parity: greedy answers to the parity prompts (tests/parity_prompts.py, 24 tokens each), HF
    transformers on the GPU vs Pagoda's engine on the GPU, token for token (near-ties allowed as
    in the CPU tests);
-2. step time: Pagoda decode steps at batch 1, 32 and 128 (fp32 and bf16), CUDA-synchronized;
-3. TP=2 over NCCL (two Ray worker actors, one GPU each) when the machine has two GPUs and Ray:
+2. step time: Pagoda decode steps at batch 1, 32 and 128, CUDA-synchronized: fp32 and bf16 on
+   the torch attention path (gathered blocks), and bf16 on FlashInfer's paged kernels where
+   flashinfer-python is installed (model/attention_flashinfer.py), each with the path it took;
+3. attention: the parity prompts' greedy answers in bf16, FlashInfer vs the torch path (bf16
+   rounding may part them at a near-tie; the count of equal answers is reported);
+4. TP=2 over NCCL (two Ray worker actors, one GPU each) when the machine has two GPUs and Ray:
    its greedy answers equal TP=1's. Skipped, and said so, otherwise.
 
 Prints one JSON object (and writes it to --out). The default model is dequantized from the GGUF
@@ -21,6 +25,7 @@ import os
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,6 +56,7 @@ def main() -> None:
     report["parity"] = parity(model_dir, 3 if args.quick else None)
     batches = (1, 4) if args.quick else (1, 32, 128)
     report["decode_step_ms"] = step_times(model_dir, batches)
+    report["flashinfer_vs_torch_bf16"] = attention_paths_agree(model_dir, 3 if args.quick else None)
     report["hf_decode"] = hf_decode_rates(model_dir, batches)
     report["tp2_nccl"] = tp2(model_dir, report["gpus"])
     text = json.dumps(report, indent=2)
@@ -102,12 +108,46 @@ def _hf_greedy(hf, prompt_ids, max_new_tokens):
     return Reference(out.sequences[0, len(prompt_ids):].tolist(), gaps)
 
 
+@contextmanager
+def attention_path(flashinfer: bool):
+    """LLMs made inside take FlashInfer where they can (True) or the torch path (False)."""
+    from model.attention_flashinfer import SWITCH
+
+    before = os.environ.get(SWITCH)
+    os.environ[SWITCH] = "1" if flashinfer else "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(SWITCH) if before is None else os.environ.__setitem__(SWITCH, before)
+
+
+def _attention(llm) -> str:
+    return llm.engine.executor.describe()[0]["attention"]
+
+
+def attention_paths_agree(model_dir: str, num_prompts: int | None) -> dict:
+    from cluster import LLM, SamplingParams
+    from tests.parity_prompts import parity_prompts
+
+    answers, paths = [], []
+    for flashinfer in (False, True):
+        with attention_path(flashinfer):
+            llm = LLM(model_dir, device=DEVICE, dtype="bfloat16", num_blocks=2048)
+        prompts = [llm.engine.encode_prompt(p.get("prompt"), p.get("messages")) for p in parity_prompts()[:num_prompts]]
+        answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))])
+        paths.append(_attention(llm))
+        del llm
+    return {"paths": paths, "prompts": len(answers[0]), "equal": sum(a == b for a, b in zip(*answers))}
+
+
 def step_times(model_dir: str, batches: tuple[int, ...]) -> dict:
     from cluster import LLM, SamplingParams
 
     results = {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(model_dir, device=DEVICE, dtype=dtype, num_blocks=4096, max_num_seqs=128)
+    for dtype, flashinfer in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
+        with attention_path(flashinfer):
+            llm = LLM(model_dir, device=DEVICE, dtype=dtype, num_blocks=4096, max_num_seqs=128)
+        path = _attention(llm)
         engine = llm.engine
         for batch in batches:
             params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
@@ -125,7 +165,8 @@ def step_times(model_dir: str, batches: tuple[int, ...]) -> dict:
             for i in range(batch):
                 engine.abort_request(f"b{batch}-{i}")
             median = statistics.median(times[5:])
-            results[f"{dtype}_batch{batch}"] = {"step_ms": round(median * 1e3, 2), "tok_per_s": round(batch / median, 1)}
+            results[f"{dtype}_{'flashinfer' if flashinfer else 'torch'}_batch{batch}"] = {
+                "attention": path, "step_ms": round(median * 1e3, 2), "tok_per_s": round(batch / median, 1)}
         del llm
     return results
 

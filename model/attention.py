@@ -16,6 +16,8 @@ compute-bound, so each runs through torch's SDPA on its gathered blocks.
 Where Pagoda's CPU kernels are built (model/cpu_ops.py) the decodes, and prefill chunks of up to
 `kernel_max_queries` queries (the rest of a prompt after a prefix hit), skip all of that: the
 kernel reads each sequence's blocks in place with an online softmax, one query row at a time.
+On CUDA with an fp16/bf16 cache, FlashInfer's kernels take the whole step the same way
+(model/attention_flashinfer.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model.attention_flashinfer import FlashInferAttention
 from model.cpu_ops import cpu_ops
 
 
@@ -59,6 +62,7 @@ class AttentionContext:
     decode_valid: torch.Tensor  # [NB, 1, block_size, 1] False on slots past the sequence's end
     prefills: list[PrefillChunk]
     kernel: KernelRows | None = None  # rows the kernel serves (then not in the decode_* fields or prefills)
+    flashinfer: FlashInferAttention | None = None  # planned for this step: it serves every row
 
 
 def build_attention_context(
@@ -69,16 +73,23 @@ def build_attention_context(
     block_tables: list[list[int]],
     device: torch.device | str = "cpu",
     kernel_max_queries: int = 0,
+    flashinfer: FlashInferAttention | None = None,
 ) -> AttentionContext:
     """Sequences come in step order (decodes first); context_len counts the tokens already cached
     plus this step's, so the new tokens sit at positions [context_len - query_len, context_len).
-    kernel_max_queries > 0: decodes and chunks of at most that many queries go to the kernel."""
+    kernel_max_queries > 0: decodes and chunks of at most that many queries go to the kernel;
+    flashinfer: every row goes to FlashInfer, planned here."""
     slot_blocks, slot_offsets = [], []
     for query_len, context_len, table in zip(query_lens, context_lens, block_tables):
         for pos in range(context_len - query_len, context_len):
             slot_blocks.append(table[pos // block_size])
             slot_offsets.append(pos % block_size)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    if flashinfer is not None:
+        empty = as_long([])
+        return AttentionContext(as_long(slot_blocks), as_long(slot_offsets), 0, empty, empty,
+                                torch.zeros(0, 1, block_size, 1, dtype=torch.bool, device=device), [],
+                                flashinfer=flashinfer.plan(num_decodes, query_lens, context_lens, block_tables))
     if kernel_max_queries > 0:
         return _kernel_context(block_size, num_decodes, query_lens, context_lens, block_tables, device,
                                kernel_max_queries, as_long(slot_blocks), as_long(slot_offsets))
@@ -156,6 +167,8 @@ class PagedAttention:
         else:
             self.k_cache[ctx.slot_blocks, :, ctx.slot_offsets] = k
             self.v_cache[ctx.slot_blocks, :, ctx.slot_offsets] = v
+        if ctx.flashinfer is not None:
+            return ctx.flashinfer.run(q, self.k_cache, self.v_cache).view(q.shape[0], -1)
         out = torch.empty_like(q)
         if ctx.kernel is not None:
             self._kernel(q, out, ctx.kernel)

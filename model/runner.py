@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from model.attention import AttentionContext, build_attention_context
+from model.attention_flashinfer import build_flashinfer_attention
 from model.config import ModelConfig
 from model.cpu_ops import cpu_ops
 from model.decode_stack import build_decode_stack
@@ -122,6 +123,9 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.model.decode_stack = build_decode_stack(self.model) if self.kernel_max_queries else None
+        layer = self.model.attention_layers[0]
+        self.flashinfer = build_flashinfer_attention(self.device, dtype, layer.num_heads, layer.num_kv_heads,
+                                                     layer.head_dim, block_size)
 
     def read_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
         """A copy of each block's KV, this rank's heads: [layers, K/V, kv_heads, block_size, head_dim]
@@ -150,6 +154,8 @@ class ModelRunner:
                  "attention": self._attention_path()}]
 
     def _attention_path(self) -> str:
+        if self.flashinfer is not None:
+            return "FlashInfer paged kernels"
         if not self.kernel_max_queries:
             return "gathered blocks + SDPA"
         return "paged kernel, layer stack" if self.model.decode_stack is not None else "paged kernel"
@@ -179,6 +185,7 @@ class ModelRunner:
             [s.block_ids for s in ordered],
             self.device,
             self.kernel_max_queries,
+            self.flashinfer,
         )
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         embeds = None

@@ -48,7 +48,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int | No
     (non-finite numbers) gets None for its token and its logprobs."""
     if any(not is_greedy(row) or row.num_logprobs is not None for row in rows):
         logits = logits.cpu()  # seeded draws use CPU generators: the same tokens on every device
-    good = torch.isfinite(logits).all(dim=-1).tolist()  # before the grammars' -inf
+    # A NaN or infinity anywhere in a row makes its sum non-finite: one reduction instead of a
+    # [rows, vocab] mask and a second pass over it (an order of magnitude faster on the CPU). Before
+    # the grammars' -inf.
+    good = torch.isfinite(logits.sum(dim=-1)).tolist()
     _allow_only(logits, rows)
     token_ids = logits.max(dim=-1).indices  # the first maximum, as argmax; faster on CPU
     random_rows = [i for i, row in enumerate(rows) if not is_greedy(row) and good[i]]
