@@ -124,6 +124,9 @@ class AppConfig(BaseModel):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM or a replica stop: how long requests in flight may finish")
     torch_threads: int | None = Field(None, description="torch threads of the engine (default: all CPUs of the node; a step of a "
                                                       "few decodes takes one fewer, leaving that core to the serving processes)")
+    stream_interval: int | None = Field(None, ge=1, description="tokens of a stream per message after its first (as vLLM's; "
+                                        "default: by load, 1 up to 15 running streams, then one more per 8, at most 4); "
+                                        "the last token and errors go at once")
     llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**SERVER_DEFAULTS))
     disaggregated: bool = Field(False, description="prefill on PrefillServer, decode on the LLMServer deployment")
     prefill_engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options of the prefill side over `engine`")
@@ -190,7 +193,8 @@ def check_app_args(args: dict) -> tuple[AppConfig, dict | None, dict]:
 def build_app(args: dict | None = None):
     config, prefill_engine, decode_engine = check_app_args(args or {})
     common = dict(max_waiting_requests=config.max_waiting_requests, request_timeout_s=config.request_timeout_s,
-                  request_deadline=config.request_deadline.model_dump(), torch_threads=config.torch_threads)
+                  request_deadline=config.request_deadline.model_dump(), torch_threads=config.torch_threads,
+                  stream_interval=config.stream_interval)
     prefill_server = None
     # Serve waits this long for a stopping replica's requests (then LLMServer.shutdown ends the
     # rest with an error); the ingress a little longer, so it can still relay that error.

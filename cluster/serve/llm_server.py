@@ -102,18 +102,42 @@ class _Stream:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    held: list = field(default_factory=list)  # deltas kept back for the next message (stream_interval)
+    held_step: int = 0  # the step that last added to `held`
 
     def put(self, item) -> bool:
-        """Hand an item to the caller's event loop; False when that loop is gone."""
+        """Hand an item, after any held deltas, to the caller's event loop in one callback (the
+        caller then takes them as one message); False when that loop is gone."""
+        items, self.held = [*self.held, item], []
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(_put_all, self.queue, items)
             return True
         except RuntimeError:  # the loop was closed: nobody will read this stream again
             return False
 
+    def flush(self) -> bool:
+        if not self.held:
+            return True
+        last = self.held.pop()
+        return self.put(last)
+
+
+def _put_all(queue_: asyncio.Queue, items: list) -> None:
+    for item in items:
+        queue_.put_nowait(item)
+
 
 # Decodes per step up to which the engine leaves a core to the serving processes (_step_threads).
 LIGHT_STEP_ROWS = 4
+STREAMS_PER_EXTRA_TOKEN = 8  # by load: one more token per message for every 8 streams running...
+MAX_STREAM_INTERVAL = 4  # ...up to 4 (a step of 64 streams takes ~0.4 s here: 1.6 s between messages)
+
+
+def _stream_interval(num_running: int) -> int:
+    """Tokens per message by load: one each up to 15 streams, 4 from 32 (served on 2 cores, 32
+    streams: TPOT 306 -> 217 ms, output 95 -> 133 tok/s; docs/benchmarks.md), so a few streams
+    see every token at once and many streams do not drown the serving path in messages."""
+    return max(1, min(MAX_STREAM_INTERVAL, num_running // STREAMS_PER_EXTRA_TOKEN))
 
 
 class LLMServer:
@@ -125,8 +149,15 @@ class LLMServer:
         torch_threads: int | None = None,
         prefill_server=None,
         request_deadline: dict | None = None,
+        stream_interval: int | None = None,
     ):
         self.max_waiting_requests = max_waiting_requests
+        # Tokens of one stream per message after its first (vLLM's stream_interval; None: by load,
+        # _stream_interval): every message costs each hop (LLMServer -> ingress -> proxy -> client)
+        # CPU that, on a small node, the engine's step waits for. The first token, the last and
+        # errors go at once.
+        self.stream_interval = stream_interval
+        self._num_steps = 0
         self.request_timeout_s = request_timeout_s
         self.request_deadline = RequestDeadline.model_validate(request_deadline or {})
         self.prefill_server = prefill_server  # a DeploymentHandle when prefill is disaggregated
@@ -350,8 +381,10 @@ class LLMServer:
                 self._fail_all(RequestFailedError("the engine failed while running this request"))
                 continue
             self._last_stats = engine.stats()  # before the deltas: whoever gets a last one sees its blocks freed
+            self._num_steps += 1
             for delta in deltas:
                 self._deliver(delta)
+            self._flush_stalled()
             self._last_stats = engine.stats()  # a stream found gone has been aborted
             self.metrics.record_engine(self._last_stats)
             if engine.kv_connector.offload is not None:
@@ -444,7 +477,10 @@ class LLMServer:
             del self._streams[delta.request_id]
             stream.put(RequestFailedError(delta.error))
             return
-        if not stream.put(delta):
+        if self._holds(stream, delta):
+            stream.held.append(delta)
+            stream.held_step = self._num_steps
+        elif not stream.put(delta):
             self.engine.abort_request(delta.request_id)
             del self._streams[delta.request_id]
             return
@@ -453,6 +489,19 @@ class LLMServer:
             stream.num_unfinished -= 1  # the engine thread's own count; the caller keeps another
             if stream.num_unfinished == 0:
                 del self._streams[delta.request_id]
+
+    def _holds(self, stream: _Stream, delta: RequestDelta) -> bool:
+        """Whether this delta waits for the next message of its stream."""
+        interval = self.stream_interval or _stream_interval(self._last_stats.num_running)
+        return interval > 1 and stream.first_token is not None and not delta.finished and len(stream.held) + 1 < interval
+
+    def _flush_stalled(self) -> None:
+        """A stream that got no token this step (preempted, or its request waits) sends what it
+        holds: a held token never waits on other requests' steps."""
+        for request_id, stream in list(self._streams.items()):
+            if stream.held and stream.held_step != self._num_steps and not stream.flush():
+                self.engine.abort_request(request_id)
+                del self._streams[request_id]
 
     def _record_latency(self, stream: _Stream, delta: RequestDelta) -> None:
         now, m = time.monotonic(), self.metrics

@@ -114,6 +114,41 @@ def test_a_stream_that_falls_behind_gets_several_tokens_per_message(make_server)
     assert slow[-1].finish_reason == "length" and "".join(d.new_text for d in slow) == "".join(d.new_text for d in prompt)
 
 
+def test_stream_interval_sends_the_first_token_alone_then_several_per_message(make_server):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    each, grouped = make_server(), make_server(stream_interval=4)
+    one = asyncio.run(drain(each, GenerationRequest("each", [5, 6, 7, 8], params)))
+    four = asyncio.run(drain(grouped, GenerationRequest("four", [5, 6, 7, 8], params)))
+    tokens = lambda deltas: [t for d in deltas for t in d.new_token_ids]  # noqa: E731
+    assert tokens(four) == tokens(one) and len(tokens(one)) == 24
+    sizes = [len(d.new_token_ids) for d in four]
+    assert sizes[0] == 1 and all(size >= 4 for size in sizes[1:-1]) and 1 <= sizes[-1]  # 1, 4, 4, ..., the rest
+    assert len(four) <= 7 and four[-1].finish_reason == "length"
+
+
+def test_by_load_one_token_per_message_for_a_few_streams_up_to_four_for_many():
+    from cluster.serve.llm_server import _stream_interval
+
+    assert [_stream_interval(n) for n in (0, 1, 15, 16, 24, 31, 32, 64, 500)] == [1, 1, 1, 2, 3, 3, 4, 4, 4]
+
+
+def test_held_tokens_reach_the_client_before_an_error(make_server):
+    """A request that runs past its deadline while its stream holds tokens: they arrive, in order,
+    then the error."""
+    server = make_server(request_timeout_s=1.0, stream_interval=100_000)
+    received = []
+
+    async def consume():
+        async for delta in server.generate(GenerationRequest("held", [1, 2, 3, 4], LONG)):
+            received.append(delta)
+
+    with pytest.raises(RequestTimeoutError):
+        asyncio.run(consume())
+    assert len(received) == 2 and len(received[0].new_token_ids) == 1 and len(received[1].new_token_ids) > 1
+    stats = server.stats()
+    assert stats["num_streams"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
 def test_coalesce_keeps_errors_and_other_candidates_apart():
     from cluster.engine.outputs import RequestDelta, coalesce
 
