@@ -105,21 +105,15 @@ class _Stream:
     held: list = field(default_factory=list)  # deltas kept back for the next message (stream_interval)
     held_step: int = 0  # the step that last added to `held`
 
-    def put(self, item) -> bool:
-        """Hand an item, after any held deltas, to the caller's event loop in one callback (the
+    def put(self, *items) -> bool:
+        """Hand the held deltas and these items to the caller's event loop in one callback (the
         caller then takes them as one message); False when that loop is gone."""
-        items, self.held = [*self.held, item], []
+        items, self.held = [*self.held, *items], []
         try:
             self.loop.call_soon_threadsafe(_put_all, self.queue, items)
             return True
         except RuntimeError:  # the loop was closed: nobody will read this stream again
             return False
-
-    def flush(self) -> bool:
-        if not self.held:
-            return True
-        last = self.held.pop()
-        return self.put(last)
 
 
 def _put_all(queue_: asyncio.Queue, items: list) -> None:
@@ -499,7 +493,7 @@ class LLMServer:
         """A stream that got no token this step (preempted, or its request waits) sends what it
         holds: a held token never waits on other requests' steps."""
         for request_id, stream in list(self._streams.items()):
-            if stream.held and stream.held_step != self._num_steps and not stream.flush():
+            if stream.held and stream.held_step != self._num_steps and not stream.put():
                 self.engine.abort_request(request_id)
                 del self._streams[request_id]
 

@@ -126,6 +126,22 @@ def test_stream_interval_sends_the_first_token_alone_then_several_per_message(ma
     assert len(four) <= 7 and four[-1].finish_reason == "length"
 
 
+def test_a_preempted_stream_sends_what_it_holds(make_server):
+    """Two requests outgrow 10 blocks: one is preempted and waits for the other. Its held tokens
+    go out while it waits (a third message between its first token and its last), not with its end."""
+    server = make_server(engine={"num_blocks": 10, "max_num_seqs": 2}, stream_interval=100_000)
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+
+    async def both():
+        return await asyncio.gather(*(drain(server, GenerationRequest(f"p{i}", [5, 6, 7, 8 + i], params))
+                                      for i in range(2)))
+
+    first, second = asyncio.run(both())
+    assert sorted([len(first), len(second)]) == [2, 3]  # the one that ran through: its first token, then the rest
+    assert all(sum(len(d.new_token_ids) for d in deltas) == 100 for deltas in (first, second))
+    assert server.stats()["num_preemptions"] >= 1
+
+
 def test_by_load_one_token_per_message_for_a_few_streams_up_to_four_for_many():
     from cluster.serve.llm_server import _stream_interval
 
