@@ -97,11 +97,12 @@ class FlashInferAttention:
         """q: [T, heads, head_dim] of the planned step -> [T, heads, head_dim]."""
         assert q.shape[0] == self.num_tokens, "run() with a step that was not planned"
         cache, d = (k_cache, v_cache), self.num_decodes
+        q = q.contiguous()  # the kernels index rows by a dense stride; a slice of the fused QKV is not
         if d == self.num_tokens:
             return self.decode.run(q, cache)
         if d == 0:
             return self.prefill.run(q, cache)
-        return torch.cat([self.decode.run(q[:d].contiguous(), cache), self.prefill.run(q[d:].contiguous(), cache)])
+        return torch.cat([self.decode.run(q[:d], cache), self.prefill.run(q[d:], cache)])
 
 
 def build_flashinfer_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
