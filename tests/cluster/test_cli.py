@@ -167,7 +167,7 @@ def test_status_shows_each_deployments_replicas_and_the_autoscaling_decision():
     finally:
         server.shutdown()
     assert result.exit_code == 0, result.output
-    assert result.output.splitlines() == [
+    assert result.stdout.splitlines() == [  # stdout: the session's Ray cluster logs to this process's stderr
         "Ingress: HEALTHY replicas={'RUNNING': 1}",
         "LLMServer: UPSCALING replicas={'RUNNING': 2, 'STARTING': 1}",
         "  autoscaling: 2 running, Serve's target 3, policy asks 3: num_seqs at 1.50x target: above target",
