@@ -123,7 +123,8 @@ class AppConfig(BaseModel):
                                               description="a request's deadline from its size, when its client sets none")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM or a replica stop: how long requests in flight may finish")
     torch_threads: int | None = Field(None, description="torch threads of the engine (default: all CPUs of the node; a step of a "
-                                                      "few decodes takes one fewer, leaving that core to the serving processes)")
+                                                      "few decodes may take one fewer, leaving that core to the serving processes, "
+                                                      "where that measures faster)")
     stream_interval: int | None = Field(None, ge=1, description="tokens of a stream per message after its first (as vLLM's; "
                                         "default: by load, 1 up to 15 running streams, then one more per 8, at most 4); "
                                         "the last token and errors go at once")

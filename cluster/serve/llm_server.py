@@ -42,6 +42,7 @@ from cluster.executor.factory import build_executor
 from cluster.serve.autoscaling import RecentPercentile, replica_signals
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.errors import EngineOverloadedError, RequestFailedError, RequestTimeoutError, WorkerLostError
+from cluster.serve.light_steps import LightStepThreads
 from cluster.serve.metrics import EngineMetrics, MediaMetrics, start_gpu_telemetry
 
 logger = logging.getLogger("pagoda.llm_server")
@@ -121,7 +122,7 @@ def _put_all(queue_: asyncio.Queue, items: list) -> None:
         queue_.put_nowait(item)
 
 
-# Decodes per step up to which the engine leaves a core to the serving processes (_step_threads).
+# Decodes per step up to which the engine may leave a core to the serving processes (_is_light_step).
 LIGHT_STEP_ROWS = 4
 STREAMS_PER_EXTRA_TOKEN = 8  # by load: one more token per message for every 8 streams running...
 MAX_STREAM_INTERVAL = 4  # ...up to 4 (a step of 64 streams takes ~0.4 s here: 1.6 s between messages)
@@ -336,6 +337,7 @@ class LLMServer:
         # on a small CPU node; the engine is the node's main CPU consumer, so it takes them all.
         threads = torch_threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
+        light_threads = LightStepThreads(threads)
         try:
             engine = LLMEngine.from_config(EngineConfig(**engine_config))
         except BaseException as e:  # noqa: BLE001 - handed to __init__, which raises it
@@ -360,11 +362,15 @@ class LLMServer:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
-            step_threads = self._step_threads(engine, threads)
+            light = threads > 1 and self._is_light_step(engine)
+            step_threads = light_threads.pick() if light else threads
             if step_threads != torch.get_num_threads():
                 torch.set_num_threads(step_threads)
             try:
+                started = time.perf_counter()
                 deltas = engine.step()
+                if light:
+                    light_threads.record(step_threads, time.perf_counter() - started)
             except WorkerLostError as e:  # a TP rank's process died: this engine cannot run again
                 self._worker_lost = str(e)
                 logger.error("%s", self._worker_lost)
@@ -387,15 +393,12 @@ class LLMServer:
         self._fail_all(ServerDrainingError("the server stopped before this request finished; retry"))
         self._drain_kv(engine)
 
-    def _step_threads(self, engine: LLMEngine, threads: int) -> int:
-        """One thread fewer for a step of a few decodes and nothing to prefill: such a step is too
-        short to gain from the last core, and that core is what the streams' other processes
-        (ingress, proxy) run on meanwhile; without it a thread of the engine's own is descheduled
-        under them and its partner waits at every barrier (on 2 cores, one stream: TPOT 27.7 ->
-        25 ms; docs/benchmarks.md). Prefill and larger batches take every thread."""
+    def _is_light_step(self, engine: LLMEngine) -> bool:
+        """A step of a few decodes and nothing to prefill: it may run on one thread fewer, leaving
+        that core to the streams' other processes (cluster/serve/light_steps.py decides by timing
+        both). Prefill and larger batches take every thread."""
         stats = self._last_stats  # the last step's; arrivals since then are in num_waiting
-        light = engine.num_waiting == 0 and stats.num_prefilling == 0 and stats.num_running <= LIGHT_STEP_ROWS
-        return max(1, threads - 1) if light else threads
+        return engine.num_waiting == 0 and stats.num_prefilling == 0 and stats.num_running <= LIGHT_STEP_ROWS
 
     def _drain_kv(self, engine: LLMEngine) -> None:
         """A planned stop (Serve stops the replica, `pagoda serve` is interrupted): the device
