@@ -25,8 +25,8 @@ import os
 import statistics
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -78,10 +78,9 @@ def parity(model_dir: str, num_prompts: int | None) -> dict:
 
     from cluster import LLM, SamplingParams
     from tests.hf_reference import compare
-    from tests.parity_prompts import parity_prompts
 
     llm = LLM(model_dir, device=DEVICE, num_blocks=2048)
-    encoded = [llm.engine.encode_prompt(p.get("prompt"), p.get("messages")) for p in parity_prompts()[:num_prompts]]
+    encoded = _parity_prompt_ids(llm, num_prompts)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
     references = [_hf_greedy(hf, ids, 24) for ids in encoded]
     outputs = llm.generate(encoded, SamplingParams(max_tokens=24, temperature=0))
@@ -96,6 +95,12 @@ def parity(model_dir: str, num_prompts: int | None) -> dict:
             "different": [v for v in verdicts if v.startswith("DIFFERENT")]}
 
 
+def _parity_prompt_ids(llm, num_prompts: int | None) -> list[list[int]]:
+    from tests.parity_prompts import parity_prompts
+
+    return [llm.engine.encode_prompt(p.get("prompt"), p.get("messages")) for p in parity_prompts()[:num_prompts]]
+
+
 @torch.inference_mode()
 def _hf_greedy(hf, prompt_ids, max_new_tokens):
     """tests.hf_reference.hf_greedy, with the inputs on the model's device."""
@@ -108,17 +113,11 @@ def _hf_greedy(hf, prompt_ids, max_new_tokens):
     return Reference(out.sequences[0, len(prompt_ids):].tolist(), gaps)
 
 
-@contextmanager
 def attention_path(flashinfer: bool):
     """LLMs made inside take FlashInfer where they can (True) or the torch path (False)."""
     from model.attention_flashinfer import SWITCH
 
-    before = os.environ.get(SWITCH)
-    os.environ[SWITCH] = "1" if flashinfer else "0"
-    try:
-        yield
-    finally:
-        os.environ.pop(SWITCH) if before is None else os.environ.__setitem__(SWITCH, before)
+    return mock.patch.dict(os.environ, {SWITCH: "1" if flashinfer else "0"})
 
 
 def _attention(llm) -> str:
@@ -127,13 +126,12 @@ def _attention(llm) -> str:
 
 def attention_paths_agree(model_dir: str, num_prompts: int | None) -> dict:
     from cluster import LLM, SamplingParams
-    from tests.parity_prompts import parity_prompts
 
     answers, paths = [], []
     for flashinfer in (False, True):
         with attention_path(flashinfer):
             llm = LLM(model_dir, device=DEVICE, dtype="bfloat16", num_blocks=2048)
-        prompts = [llm.engine.encode_prompt(p.get("prompt"), p.get("messages")) for p in parity_prompts()[:num_prompts]]
+        prompts = _parity_prompt_ids(llm, num_prompts)
         answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))])
         paths.append(_attention(llm))
         del llm

@@ -104,7 +104,6 @@ class _Stream:
     last_token: float | None = None
     num_tokens: int = 0
     held: list = field(default_factory=list)  # deltas kept back for the next message (stream_interval)
-    held_step: int = 0  # the step that last added to `held`
 
     def put(self, *items) -> bool:
         """Hand the held deltas and these items to the caller's event loop in one callback (the
@@ -152,7 +151,6 @@ class LLMServer:
         # CPU that, on a small node, the engine's step waits for. The first token, the last and
         # errors go at once.
         self.stream_interval = stream_interval
-        self._num_steps = 0
         self.request_timeout_s = request_timeout_s
         self.request_deadline = RequestDeadline.model_validate(request_deadline or {})
         self.prefill_server = prefill_server  # a DeploymentHandle when prefill is disaggregated
@@ -362,7 +360,7 @@ class LLMServer:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
-            light = threads > 1 and self._is_light_step(engine)
+            light = self._is_light_step(engine)
             step_threads = light_threads.pick() if light else threads
             if step_threads != torch.get_num_threads():
                 torch.set_num_threads(step_threads)
@@ -381,10 +379,9 @@ class LLMServer:
                 self._fail_all(RequestFailedError("the engine failed while running this request"))
                 continue
             self._last_stats = engine.stats()  # before the deltas: whoever gets a last one sees its blocks freed
-            self._num_steps += 1
             for delta in deltas:
                 self._deliver(delta)
-            self._flush_stalled()
+            self._flush_stalled({delta.request_id for delta in deltas})
             self._last_stats = engine.stats()  # a stream found gone has been aborted
             self.metrics.record_engine(self._last_stats)
             if engine.kv_connector.offload is not None:
@@ -476,7 +473,6 @@ class LLMServer:
             return
         if self._holds(stream, delta):
             stream.held.append(delta)
-            stream.held_step = self._num_steps
         elif not stream.put(delta):
             self.engine.abort_request(delta.request_id)
             del self._streams[delta.request_id]
@@ -492,11 +488,11 @@ class LLMServer:
         interval = self.stream_interval or _stream_interval(self._last_stats.num_running)
         return interval > 1 and stream.first_token is not None and not delta.finished and len(stream.held) + 1 < interval
 
-    def _flush_stalled(self) -> None:
+    def _flush_stalled(self, stepped: set[str]) -> None:
         """A stream that got no token this step (preempted, or its request waits) sends what it
         holds: a held token never waits on other requests' steps."""
         for request_id, stream in list(self._streams.items()):
-            if stream.held and stream.held_step != self._num_steps and not stream.put():
+            if stream.held and request_id not in stepped and not stream.put():
                 self.engine.abort_request(request_id)
                 del self._streams[request_id]
 
