@@ -1,4 +1,4 @@
-"""Start (or join) a Ray cluster, start Serve's HTTP and gRPC proxies, deploy Pagoda, wait until
+"""Start (or join) a Ray cluster, start Serve's HTTP and gRPC ingress, deploy Pagoda, wait until
 it answers; drain and stop it. Used by `pagoda serve` and by the integration tests, so both run
 the same path."""
 
@@ -22,6 +22,7 @@ from cluster.serve.front_door import FrontDoor
 logger = logging.getLogger("pagoda.launcher")
 APP_NAME = "pagoda"
 PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
+HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 _drain_signal = None  # the DrainSignal actor lives as long as this handle (owned by this driver)
 _front_door: FrontDoor | None = None
 
@@ -66,7 +67,7 @@ def start(
             ray.init(
                 address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                 _metrics_export_port=metrics_port,  # Prometheus scrapes Pagoda's metrics here
-                runtime_env=grpc_bind.runtime_env("127.0.0.1"),  # Serve's gRPC proxy on loopback too
+                runtime_env=local_runtime_env("127.0.0.1"),
             )
             # This cluster cannot grow: a shape that does not fit it fails now, not after Serve's retries.
             check_fit(config, prefill_engine, decode_engine, cluster_nodes())
@@ -96,6 +97,20 @@ def start(
         if time.monotonic() > deadline:
             raise TimeoutError(f"Pagoda did not become ready within {ready_timeout_s:.0f}s")
         time.sleep(0.5)
+
+
+def local_runtime_env(host: str) -> dict:
+    """The runtime_env of a local cluster: Serve's gRPC ingress on `host` only (grpc_bind), and
+    Serve's HAProxy mode unless RAY_SERVE_ENABLE_HA_PROXY=0 is set: HAProxy on the HTTP and gRPC
+    ports hands each connection to an Ingress replica's own server (Serve's direct ingress), one
+    Python proxy actor fewer on every streamed message (one stream's served TPOT ~13.5 -> ~11 ms
+    on 2 cores, docs/benchmarks.md). HAProxy's stats and metrics ports are fixed unless set: free
+    ones here, so that two servers on one host do not collide."""
+    runtime_env = grpc_bind.runtime_env(host)
+    if os.environ.get(HA_PROXY_ENV, "1") == "1":
+        runtime_env["env_vars"].update({HA_PROXY_ENV: "1", "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+                                        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())})
+    return runtime_env
 
 
 def drain(timeout_s: float, log=print) -> bool:

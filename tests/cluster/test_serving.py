@@ -1,4 +1,5 @@
-"""Pagoda over a real local Ray cluster and Ray Serve's own proxies: gRPC and the OpenAI API."""
+"""Pagoda over a real local Ray cluster and Ray Serve's own ingress (HAProxy in front of the Ingress
+replica's servers): gRPC and the OpenAI API."""
 
 import random
 import time
@@ -93,6 +94,17 @@ def test_the_grpc_and_http_proxies_listen_on_loopback_only(server):
         return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
     assert all(loopback(address.ip) for address in listening), listening
+
+
+def test_haproxy_hands_requests_straight_to_the_ingress_replica(server):
+    """Serve's HAProxy mode (cluster/serve/launcher.py): the HTTP and gRPC ports are HAProxy's, whose
+    backends are the Ingress replica's own servers, with no Python proxy actor in between."""
+    import psutil
+
+    ports = {int(server["grpc"].rsplit(":", 1)[1]), int(server["http"].rsplit(":", 1)[1])}
+    owners = {c.laddr.port: psutil.Process(c.pid).name() for c in psutil.net_connections(kind="inet")
+              if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
+    assert owners == {port: "haproxy" for port in ports}
 
 
 def test_standard_grpc_health_and_reflection(server):
