@@ -104,12 +104,14 @@ def local_runtime_env(host: str) -> dict:
     Serve's HAProxy mode unless RAY_SERVE_ENABLE_HA_PROXY=0 is set: HAProxy on the HTTP and gRPC
     ports hands each connection to an Ingress replica's own server (Serve's direct ingress), one
     Python proxy actor fewer on every streamed message (one stream's served TPOT ~13.5 -> ~11 ms
-    on 2 cores, docs/benchmarks.md). HAProxy's stats and metrics ports are fixed unless set: free
-    ones here, so that two servers on one host do not collide."""
+    on 2 cores, docs/benchmarks.md). The ports Serve fixes in this mode get free ones here:
+    HAProxy's stats and metrics, and the fallback proxy's, which listens with SO_REUSEPORT, so
+    two servers on one host would otherwise share it and answer each other's requests."""
     runtime_env = grpc_bind.runtime_env(host)
     if os.environ.get(HA_PROXY_ENV, "1") == "1":
-        runtime_env["env_vars"].update({HA_PROXY_ENV: "1", "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-                                        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())})
+        fixed_ports = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                       "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+        runtime_env["env_vars"].update({HA_PROXY_ENV: "1", **{name: str(free_port()) for name in fixed_ports}})
     return runtime_env
 
 
