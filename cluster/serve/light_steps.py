@@ -2,7 +2,7 @@
 measuring both choices as the server runs.
 
 Served on a small node, the engine shares its cores with the processes that carry each token to
-the client (ingress, proxy). Leaving one core to them keeps the engine's own threads from being
+the client (the Ingress replica, HAProxy). Leaving one core to them keeps the engine's own threads from being
 descheduled mid-step (an OpenMP thread that loses its core stalls its partners at every barrier);
 keeping every core makes the step itself shorter. Which wins depends on the host: on one 2-core VM,
 one stream's TPOT was 25.8 ms with one thread fewer and 27.7 ms with both, and on the same VM a

@@ -78,15 +78,23 @@ def test_grpc_model_info_and_health(stub, server):
     assert stub.Health(pb.HealthRequest()).healthy
 
 
-def test_the_grpc_and_http_proxies_listen_on_loopback_only(server):
-    """Serve binds its gRPC proxy to every interface unless told otherwise (cluster/serve/grpc_bind.py)."""
-    import ipaddress
+def server_ports(server) -> set[int]:
+    return {int(server["grpc"].rsplit(":", 1)[1]), int(server["http"].rsplit(":", 1)[1])}
 
+
+def listening_on(ports: set[int]) -> list:
+    """The listening sockets on these ports (psutil's connections: laddr and pid)."""
     import psutil
 
-    ports = {int(server["grpc"].rsplit(":", 1)[1]), int(server["http"].rsplit(":", 1)[1])}
-    listening = [c.laddr for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port in ports]
+    return [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.laddr.port in ports]
+
+
+def test_the_grpc_and_http_proxies_listen_on_loopback_only(server):
+    """Serve binds gRPC to every interface unless told otherwise (cluster/serve/grpc_bind.py)."""
+    import ipaddress
+
+    ports = server_ports(server)
+    listening = [c.laddr for c in listening_on(ports)]
     assert {address.port for address in listening} == ports
 
     def loopback(ip: str) -> bool:  # gRPC's socket is IPv6 with the IPv4 loopback mapped in
@@ -101,9 +109,8 @@ def test_haproxy_hands_requests_straight_to_the_ingress_replica(server):
     backends are the Ingress replica's own servers, with no Python proxy actor in between."""
     import psutil
 
-    ports = {int(server["grpc"].rsplit(":", 1)[1]), int(server["http"].rsplit(":", 1)[1])}
-    owners = {c.laddr.port: psutil.Process(c.pid).name() for c in psutil.net_connections(kind="inet")
-              if c.status == psutil.CONN_LISTEN and c.laddr.port in ports}
+    ports = server_ports(server)
+    owners = {c.laddr.port: psutil.Process(c.pid).name() for c in listening_on(ports)}
     assert owners == {port: "haproxy" for port in ports}
 
 
