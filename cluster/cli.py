@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -165,24 +166,29 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     on_stop_signals(request_stop)
     started = False
-    try:
-        info = launcher.start(args, http_port, grpc_port, address, num_cpus)
-        on_stop_signals(request_stop)
-        started = True
-        click.echo(f"pagoda ready grpc=127.0.0.1:{grpc_port} http=127.0.0.1:{http_port} model={info['id']}")
-        sys.stdout.flush()
-        while True:
-            time.sleep(0.5)
-    except (FrontDoorError, AppDoesNotFitError, TimeoutError) as e:  # the front door or Serve did not start: say why, no traceback
-        raise click.ClickException(str(e)) from None
-    except KeyboardInterrupt:
-        on_stop_signals(signal.SIG_IGN)  # a second signal must not cut the shutdown short
-        if started:
-            finished = launcher.drain(config.drain_timeout_s, log=lambda msg: click.echo(f"pagoda: {msg}", err=True))
-            click.echo("pagoda: drained" if finished else "pagoda: drain period over; ending what is left", err=True)
-    finally:
-        click.echo("pagoda: stopping", err=True)
-        launcher.stop()
+    # stdout carries the ready line alone (scripts read its first line); what Ray forwards from
+    # its processes (replica logs, raylet messages) goes to stderr.
+    ready_line_out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            info = launcher.start(args, http_port, grpc_port, address, num_cpus)
+            on_stop_signals(request_stop)
+            started = True
+            click.echo(f"pagoda ready grpc=127.0.0.1:{grpc_port} http=127.0.0.1:{http_port} model={info['id']}",
+                       file=ready_line_out)
+            ready_line_out.flush()
+            while True:
+                time.sleep(0.5)
+        except (FrontDoorError, AppDoesNotFitError, TimeoutError) as e:  # the front door or Serve did not start: say why, no traceback
+            raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt:
+            on_stop_signals(signal.SIG_IGN)  # a second signal must not cut the shutdown short
+            if started:
+                finished = launcher.drain(config.drain_timeout_s, log=lambda msg: click.echo(f"pagoda: {msg}", err=True))
+                click.echo("pagoda: drained" if finished else "pagoda: drain period over; ending what is left", err=True)
+        finally:
+            click.echo("pagoda: stopping", err=True)
+            launcher.stop()
 
 
 @main.command()

@@ -57,5 +57,6 @@ def test_a_chat_document_on_disk_survives_sigkill_and_restart(model_dir, tmp_pat
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=120) == 0
+    assert server.stdout.read() == ""  # the ready line was all: Ray's forwarded lines go to stderr
     assert again == first
     assert group["kv_tiers"]["restored_from"]["disk"] == num_blocks
