@@ -23,6 +23,7 @@ logger = logging.getLogger("pagoda.launcher")
 APP_NAME = "pagoda"
 PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
 HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+INGRESS_DEREGISTRATION_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 _drain_signal = None  # the DrainSignal actor lives as long as this handle (owned by this driver)
 _front_door: FrontDoor | None = None
 
@@ -106,12 +107,16 @@ def local_runtime_env(host: str) -> dict:
     Python proxy actor fewer on every streamed message (one stream's served TPOT ~13.5 -> ~11 ms
     on 2 cores, docs/benchmarks.md). The ports Serve fixes in this mode get free ones here:
     HAProxy's stats and metrics, and the fallback proxy's, which listens with SO_REUSEPORT, so
-    two servers on one host would otherwise share it and answer each other's requests."""
+    two servers on one host would otherwise share it and answer each other's requests.
+    An Ingress replica that stops stays reachable a while so that load balancers drop it first
+    (Serve's default: 30 s, for HAProxies on other nodes); this cluster's one HAProxy drops it
+    within a reload (~0.5 s), so a few seconds do, and stopping the server takes that, not 30 s."""
     runtime_env = grpc_bind.runtime_env(host)
     if os.environ.get(HA_PROXY_ENV, "1") == "1":
         fixed_ports = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
                        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
         runtime_env["env_vars"].update({HA_PROXY_ENV: "1", **{name: str(free_port()) for name in fixed_ports}})
+        runtime_env["env_vars"][INGRESS_DEREGISTRATION_ENV] = os.environ.get(INGRESS_DEREGISTRATION_ENV, "3")
     return runtime_env
 
 
