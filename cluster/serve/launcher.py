@@ -12,9 +12,11 @@ from pathlib import Path
 import requests
 import yaml
 
+from cluster.model_fetch import pagoda_home
 from cluster.ports import free_port
 from cluster.serve import drain as drain_module
 from cluster.serve import grpc_bind
+from cluster.serve.haproxy_guard import guarded_haproxy
 from cluster.serve.app import GRPC_SERVICERS, build_app, check_app_args, max_pending_requests
 from cluster.serve.placement import check_fit, cluster_nodes
 from cluster.serve.front_door import FrontDoor
@@ -24,6 +26,7 @@ APP_NAME = "pagoda"
 PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
 HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 INGRESS_DEREGISTRATION_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 _drain_signal = None  # the DrainSignal actor lives as long as this handle (owned by this driver)
 _front_door: FrontDoor | None = None
 
@@ -117,6 +120,9 @@ def local_runtime_env(host: str) -> dict:
                        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
         runtime_env["env_vars"].update({HA_PROXY_ENV: "1", **{name: str(free_port()) for name in fixed_ports}})
         runtime_env["env_vars"][INGRESS_DEREGISTRATION_ENV] = os.environ.get(INGRESS_DEREGISTRATION_ENV, "3")
+        guard = guarded_haproxy(pagoda_home() / "bin")  # HAProxy goes when its actor goes, even on SIGKILL
+        if guard and HAPROXY_BINARY_ENV not in os.environ:
+            runtime_env["env_vars"][HAPROXY_BINARY_ENV] = guard
     return runtime_env
 
 

