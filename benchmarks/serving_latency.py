@@ -2,10 +2,11 @@
 against Pagoda's LLMServer in this process without Ray or Serve (`pagoda bench --target engine`),
 on the same workload in the same run: what the serving path costs.
 
-    python -m benchmarks.serving_latency [--levels 1,8,32] [--output-len 64]
+    python -m benchmarks.serving_latency [--levels 1,8,32] [--output-len 64] [--workload random --input-len 128]
 
 Starts its own local Ray cluster + Serve on ports 18300/19300. Each level sends max(4, level)
-chat requests, `level` at a time, each generating exactly --output-len tokens (greedy, ignore_eos).
+requests, `level` at a time, each generating exactly --output-len tokens (greedy, ignore_eos):
+one-turn chats, or `--workload random` prompts of --input-len tokens (what serving_sweep sends).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--workload", choices=["chat", "random"], default="chat")
+    parser.add_argument("--input-len", type=int, default=128, help="random prompts' length in tokens")
     parser.add_argument("--out-dir", default="benchmarks/results/serving_latency")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     model_dir = str(fetch_default_model())
-    spec = WorkloadSpec("chat", output_len=args.output_len, turns=1)
+    spec = WorkloadSpec(args.workload, input_len=args.input_len, output_len=args.output_len, turns=1)
 
     def measure(target: str, label: str) -> dict:
         return run_levels(label, levels, spec, already_running(target), lambda level: max(4, level), max_batch=max(levels))
