@@ -13,9 +13,12 @@ across exec) and then runs the real binary in its place.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sys
 from pathlib import Path
+
+logger = logging.getLogger("pagoda.haproxy_guard")
 
 GUARD = """#!{python} -I
 import ctypes, os, signal, sys
@@ -39,9 +42,13 @@ def guarded_haproxy(directory: Path) -> str | None:
     text = GUARD.format(python=sys.executable, real=real)
     path = directory / f"haproxy-guard-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     if not path.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        scratch = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        scratch.write_text(text)
-        scratch.chmod(0o755)
-        os.replace(scratch, path)  # whole or absent, for servers starting side by side
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            scratch = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            scratch.write_text(text)
+            scratch.chmod(0o755)
+            os.replace(scratch, path)  # whole or absent, for servers starting side by side
+        except OSError as e:
+            logger.warning("HAProxy runs unguarded (a kill -9 of the server would leave it on its ports): %s", e)
+            return None
     return str(path)
