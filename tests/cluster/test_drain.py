@@ -71,7 +71,9 @@ def start_streams(max_tokens: int):
 def refused_while_draining() -> tuple[requests.Response, grpc.RpcError]:
     """New HTTP, then gRPC requests until one of each is refused: the Ingress and the model
     server each learn of the drain within ~1 s, on their own, so one may admit a request
-    after the other has refused one."""
+    after the other has refused one. A gRPC request may also end UNAVAILABLE without the
+    server's word ("Stream removed"; seen in 2 of 3 full suite runs in Serve's HAProxy mode,
+    never alone): a client retries that as any UNAVAILABLE, so the next request is asked."""
     deadline = time.monotonic() + 60  # generous: on a busy host each "hi" can take seconds
     while True:
         r = requests.post(f"http://127.0.0.1:{HTTP}/v1/completions", timeout=30, json={"prompt": "hi", "max_tokens": 2})
@@ -84,8 +86,10 @@ def refused_while_draining() -> tuple[requests.Response, grpc.RpcError]:
             try:
                 list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2))))
             except grpc.RpcError as error:
-                return r, error
-        assert time.monotonic() < deadline, f"gRPC still admitted after HTTP was refused with {r.text}"
+                assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+                if "shutting down" in error.details():
+                    return r, error
+        assert time.monotonic() < deadline, f"no gRPC refusal in the server's words after HTTP was refused with {r.text}"
 
 
 def exits_cleanly(proc: subprocess.Popen, children: list[psutil.Process]) -> None:
