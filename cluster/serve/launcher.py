@@ -120,9 +120,10 @@ def local_runtime_env(host: str) -> dict:
                        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
         runtime_env["env_vars"].update({HA_PROXY_ENV: "1", **{name: str(free_port()) for name in fixed_ports}})
         runtime_env["env_vars"][INGRESS_DEREGISTRATION_ENV] = os.environ.get(INGRESS_DEREGISTRATION_ENV, "3")
-        guard = guarded_haproxy(pagoda_home() / "bin")  # HAProxy goes when its actor goes, even on SIGKILL
-        if guard and HAPROXY_BINARY_ENV not in os.environ:
-            runtime_env["env_vars"][HAPROXY_BINARY_ENV] = guard
+        if HAPROXY_BINARY_ENV not in os.environ:  # a user's own HAProxy is left as it is
+            guard = guarded_haproxy(pagoda_home() / "bin")  # HAProxy goes when its actor goes, even on SIGKILL
+            if guard:
+                runtime_env["env_vars"][HAPROXY_BINARY_ENV] = guard
     return runtime_env
 
 
