@@ -40,11 +40,11 @@ MAX_WORKERS = 3
 SEQS_PER_REPLICA = 2
 
 
-def app_args(model: str, autoscaled: bool, disaggregated: bool) -> dict:
+def app_args(model: str, autoscaled: bool, disaggregated: bool, downscale_delay_s: float = 15.0) -> dict:
     server_cpu = {"ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 2}
     scaling = {"autoscaling_config": {
         "min_replicas": 1, "max_replicas": MAX_WORKERS, "initial_replicas": 1, "look_back_period_s": 4,
-        "upscale_delay_s": 2, "downscale_delay_s": 15,
+        "upscale_delay_s": 2, "downscale_delay_s": downscale_delay_s,
         "policy": {"policy_kwargs": {"target_num_seqs": SEQS_PER_REPLICA}}}} if autoscaled else {"num_replicas": 1}
     args = {"model": model, "torch_threads": 1, "request_timeout_s": 600, "max_waiting_requests": 256,
             "engine": {"max_num_seqs": SEQS_PER_REPLICA, "num_blocks": 256},
@@ -54,7 +54,7 @@ def app_args(model: str, autoscaled: bool, disaggregated: bool) -> dict:
     return args
 
 
-def deploy(model: str, autoscaled: bool, disaggregated: bool, http_port: int) -> str:
+def deploy(model: str, autoscaled: bool, disaggregated: bool, http_port: int, downscale_delay_s: float) -> str:
     from ray import serve
     from ray.serve.config import HTTPOptions
 
@@ -62,7 +62,7 @@ def deploy(model: str, autoscaled: bool, disaggregated: bool, http_port: int) ->
 
     # One proxy, on the head: the simulated nodes share this machine's ports.
     serve.start(proxy_location="HeadOnly", http_options=HTTPOptions(host="127.0.0.1", port=http_port))
-    serve.run(build_app(app_args(model, autoscaled, disaggregated)), name="pagoda", route_prefix="/", blocking=False)
+    serve.run(build_app(app_args(model, autoscaled, disaggregated, downscale_delay_s)), name="pagoda", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{http_port}"
     wait_for(lambda: _get(f"{base}/health") is not None, 600, "Pagoda did not become ready")
     return base
@@ -73,7 +73,7 @@ def status(base: str) -> dict:
 
 
 def run_mode(model: str, mode: str, spec, disaggregated: bool, log, hold_until_replicas: int | None = None,
-             max_extra_hold_s: float = 0.0) -> dict:
+             max_extra_hold_s: float = 0.0, downscale_delay_s: float = 15.0, node_idle_timeout_s: float = 15.0) -> dict:
     """One cluster, one deployment, one ramp; the ramp's result with what happened after it."""
     import ray
 
@@ -83,11 +83,12 @@ def run_mode(model: str, mode: str, spec, disaggregated: bool, log, hold_until_r
         head_resources={"CPU": 0, "object_store_memory": 400 << 20},
         worker_node_types={"server": {"resources": {"CPU": 1, "object_store_memory": 300 << 20},
                                       "min_workers": 0, "max_workers": MAX_WORKERS}},
+        idle_timeout_minutes=node_idle_timeout_s / 60,
         env={"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"})
     try:
         cluster.start()
         cluster.connect(log_to_driver=False)
-        base = deploy(model, autoscaled, disaggregated, free_port())
+        base = deploy(model, autoscaled, disaggregated, free_port(), downscale_delay_s)
         server = "LLMServer"
         tokenizer_spec = WorkloadSpec("random", num_prompts=400, input_len=64, output_len=48, seed=1)
         from transformers import AutoTokenizer
@@ -195,6 +196,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-extra-hold", type=float, default=0.0, help="... for at most this many seconds more")
     parser.add_argument("--fall", type=float, default=None, help="seconds back down to LOW (default: as the rise; 0: stop)")
     parser.add_argument("--window", type=float, default=10.0, help="timeline window, seconds")
+    parser.add_argument("--downscale-delay", type=float, default=15.0, help="Serve's downscale_delay_s, seconds")
+    parser.add_argument("--node-idle-timeout", type=float, default=15.0,
+                        help="seconds a node stays idle before the autoscaler stops it")
     parser.add_argument("--disaggregated", action="store_true", help="autoscale the decode side of a disaggregated app")
     parser.add_argument("--modes", default="autoscaled,fixed")
     parser.add_argument("--model", default=None)
@@ -204,7 +208,8 @@ def main(argv=None) -> int:
     spec = ramp_module.RampSpec.parse(args.ramp, hold_s=args.hold, window_s=args.window, fall_s=args.fall)
     model = default_model(args.model)
     results = [run_mode(model, mode, spec, args.disaggregated, log=lambda m: print(m, file=sys.stderr),
-                        hold_until_replicas=args.hold_until_replicas, max_extra_hold_s=args.max_extra_hold)
+                        hold_until_replicas=args.hold_until_replicas, max_extra_hold_s=args.max_extra_hold,
+                        downscale_delay_s=args.downscale_delay, node_idle_timeout_s=args.node_idle_timeout)
                for mode in args.modes.split(",")]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results))

@@ -24,9 +24,11 @@ def test_a_ramp_scales_replicas_and_nodes_up_then_back_down(model_dir, tmp_path,
     # A steep ramp (8 users, four replicas' worth, within 10 s) held until 3 replicas serve (at
     # least 15 s, at most 180 s: a slow or busy host takes longer), then stopped: the policy asks
     # for all 3 replicas at once, so the nodes launch together (the gentle ramp of
-    # docs/benchmarks.md, measured by the same harness, takes twice as long).
+    # docs/benchmarks.md, measured by the same harness, takes twice as long). Going back down waits
+    # on Serve's downscale delay and the autoscaler's idle timeout: 5 and 6 s here (the harness's
+    # defaults, 15 s each, only make the test longer).
     cmd = [sys.executable, "-m", "benchmarks.autoscaling_ramp", "--ramp", "1:8:10", "--hold", "15", "--fall", "0",
-           "--hold-until-replicas", "3", "--max-extra-hold", "165",
+           "--hold-until-replicas", "3", "--max-extra-hold", "165", "--downscale-delay", "5", "--node-idle-timeout", "6",
            "--modes", "autoscaled", "--model", model_dir, "--out", str(out)] + (["--disaggregated"] if disaggregated else [])
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -109,7 +109,7 @@ def exits_cleanly(proc: subprocess.Popen, children: list[psutil.Process]) -> Non
 
 
 # Long enough for the short streams to finish on a busy host; the long ones outlast it.
-DRAIN_S, SHORT = 30, 64
+DRAIN_S, SHORT = 15, 64
 
 
 def test_sigterm_finishes_short_streams_ends_long_ones_with_an_error_refuses_new_ones_and_leaves_nothing(model_dir, server):
