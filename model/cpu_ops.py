@@ -16,6 +16,8 @@ import sys
 from functools import cache
 from pathlib import Path
 
+from model.extension_lock import sole_loader
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
@@ -46,13 +48,10 @@ def cpu_ops():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
-            name=f"pagoda_cpu_ops_{build_key()}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        name = f"pagoda_cpu_ops_{build_key()}"
+        with sole_loader(name):
+            return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: run torch's paths
         logger.warning("Pagoda's CPU kernels are unavailable (%s); using torch's paths", exc)
         return None

@@ -24,6 +24,7 @@ import torch
 from cluster.engine.errors import WorkerLostError
 from cluster.ports import free_port
 from model.config import ModelConfig
+from model.extension_lock import sole_loader
 from model.runner import ModelRunner, StepOutput, kv_bytes_per_block
 from model.tp_layout import head_shard
 
@@ -166,6 +167,11 @@ def _join_group(rank: int, tp_size: int, init_method: str, device: str, shared_m
             # group here) and is used only when LOCAL_SIZE says every rank is on this host.
             host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
             os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, LOCAL_SIZE=str(tp_size), LOCAL_RANK=str(rank))
+            from deepspeed.comm.torch import build_shm_op
+            from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+            with sole_loader(ShareMemCommBuilder.NAME):  # built or loaded here, not wedged by a dead builder's lock
+                build_shm_op()
             deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method=init_method,
                                        rank=rank, world_size=tp_size)
             # Every rank has mapped every rank's segment once all are initialized; the names can
