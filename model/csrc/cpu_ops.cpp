@@ -359,6 +359,29 @@ inline void prefetch_block(const T* k_cache, const T* v_cache, int64_t offset, i
   }
 }
 
+// Fetches one block's K and V a few cache lines at a time between the arithmetic: all at once,
+// the requests fill the core's miss buffers and the loads behind them wait (a quarter of the
+// kernel's time with the data already in L2).
+struct SpreadPrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t next = 0, end = 0;
+  template <typename T>
+  void start(const T* k_cache, const T* v_cache, int64_t offset, int64_t count) {
+    k = reinterpret_cast<const char*>(k_cache + offset);
+    v = reinterpret_cast<const char*>(v_cache + offset);
+    next = 0;
+    end = count * static_cast<int64_t>(sizeof(T));
+  }
+  void stop() { next = end = 0; }
+  inline void step(int lines) {
+    for (int i = 0; i < lines && next < end; ++i, next += 64) {
+      __builtin_prefetch(k + next);
+      __builtin_prefetch(v + next);
+    }
+  }
+};
+
 // One query row's heads of one KV head group against `len` keys; D = 8 * lanes, at most 256.
 // kLanes > 0 fixes lanes at compile time (the common head dims): then a head's accumulators stay
 // in registers while it takes a block's values, instead of a load and a store per product.
@@ -380,16 +403,24 @@ void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T*
     }
   }
   float* scores = scratch;
+  // The block kPrefetchBlocks ahead is fetched while this one's values are taken: lines of K and
+  // of V per value row, so that all of it is asked for within the block's group * block_size rows.
+  SpreadPrefetch spread;
+  const int64_t block_lines = block_size * D * static_cast<int64_t>(sizeof(T)) / 64;
+  const int lines_per_row = static_cast<int>((block_lines + group * block_size - 1) / (group * block_size));
   for (int64_t start = 0; start < len; start += block_size) {
     const int64_t block = table[start / block_size], valid = std::min(block_size, len - start);
     const T* kb = k_cache + block * block_stride + head_offset;
     const T* vb = v_cache + block * block_stride + head_offset;
     // Blocks lie anywhere in the cache, so the hardware cannot guess the next ones: fetch ahead.
-    for (int64_t ahead = start == 0 ? 0 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
-      if (start + ahead * block_size >= len) break;
-      const int64_t offset = table[start / block_size + ahead] * block_stride + head_offset;
-      prefetch_block(k_cache, v_cache, offset, block_size * D);
-    }
+    const int64_t index = start / block_size;
+    if (start == 0)  // the first blocks at once: there is no work yet to spread them over
+      for (int64_t ahead = 0; ahead < kPrefetchBlocks && ahead * block_size < len; ++ahead)
+        prefetch_block(k_cache, v_cache, table[ahead] * block_stride + head_offset, block_size * D);
+    if (start + kPrefetchBlocks * block_size < len)
+      spread.start(k_cache, v_cache, table[index + kPrefetchBlocks] * block_stride + head_offset, block_size * D);
+    else
+      spread.stop();
     for (int64_t g = 0; g < group; ++g) {
       float* row = scores + g * block_size;
       int64_t t = 0;
@@ -417,6 +448,7 @@ void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T*
       v8f a[kMaxDim / 8];
       for (int64_t l = 0; l < lanes; ++l) a[l] = acc[g][l] * splat(rescale);
       for (t = 0; t < valid; ++t) {
+        spread.step(lines_per_row);
         const v8f p = splat(row[t]);
         for (int64_t l = 0; l < lanes; ++l) a[l] += p * load_kv8(vb + t * D + 8 * l);
       }
