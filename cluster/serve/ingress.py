@@ -205,6 +205,7 @@ class Ingress:
         self._streams: dict[tuple[str, str], object] = {}
         self._cancelled: set[tuple[str, str]] = set()
         self._cancellation_watch: asyncio.Task | None = None
+        self._cancellation_poll = None  # the ledger call that watch is waiting on
         self._reports: set[asyncio.Task] = set()  # requests' ends on their way to the ledger
         breaker = CircuitBreakerConfig.model_validate(circuit_breaker or {})
         self._llm_breaker = CircuitBreaker("the model server", breaker)
@@ -404,7 +405,8 @@ class Ingress:
         async def watch():
             while True:
                 try:
-                    cancelled = await self.ledger.next_cancellations.remote(self._replica)
+                    self._cancellation_poll = self.ledger.next_cancellations.remote(self._replica)
+                    cancelled = await self._cancellation_poll
                 except Exception:  # noqa: BLE001 - the ledger restarting: ask again shortly
                     logger.warning("cannot reach the tenant ledger; retrying", exc_info=True)
                     await asyncio.sleep(1.0)
@@ -416,6 +418,15 @@ class Ingress:
                         stream.cancel()
 
         self._cancellation_watch = asyncio.get_running_loop().create_task(watch())
+
+    def __del__(self):  # Serve calls this on the replica's event loop when the replica stops
+        # The long poll is a request in flight at the ledger, and Serve stops a replica only once
+        # its requests end: left running, it held the ledger's stop (an app's delete, a redeploy,
+        # `pagoda serve`'s exit) up to POLL_TIMEOUT_S, or until Serve killed it.
+        if getattr(self, "_cancellation_watch", None) is not None:
+            self._cancellation_watch.cancel()
+        if getattr(self, "_cancellation_poll", None) is not None:
+            self._cancellation_poll.cancel()
 
     async def running_requests(self, tenant: str | None) -> list[dict]:
         return await self.ledger.requests.remote(tenant)

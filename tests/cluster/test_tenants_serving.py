@@ -266,3 +266,18 @@ def test_the_cli_sends_its_key(keyed_app):
     assert mine.exit_code == 0, mine.output
     refused = runner.invoke(cli, ["status", "--http", keyed_app["address"], "--api-key", KEY_B])
     assert refused.exit_code == 1 and "403" in refused.output
+
+
+def test_deleting_an_app_does_not_wait_for_its_ingress_long_poll_of_the_ledger(server, model_dir):
+    import time
+
+    from cluster.serve.ledger import POLL_TIMEOUT_S
+
+    with deployed({**server, "model_dir": model_dir}, "short-stop", "/short-stop") as app:
+        answer = requests.post(f"{app['http']}/v1/completions", timeout=300,
+                               json={"model": server["model"], "prompt": "Hi", "max_tokens": 1})
+        answer.raise_for_status()  # the ingress's first request starts its long poll of the ledger
+        started = time.monotonic()
+    # Serve stops a replica once its requests end: a poll left at the ledger held the delete until
+    # it returned (POLL_TIMEOUT_S after it began), or until Serve killed the ledger.
+    assert time.monotonic() - started < POLL_TIMEOUT_S / 2
