@@ -349,20 +349,10 @@ inline v8f exp8(v8f x) {
 
 constexpr int64_t kPrefetchBlocks = 2;  // how far ahead attend() fetches a sequence's blocks
 
-template <typename T>
-inline void prefetch_block(const T* k_cache, const T* v_cache, int64_t offset, int64_t count) {
-  const char* k = reinterpret_cast<const char*>(k_cache + offset);
-  const char* v = reinterpret_cast<const char*>(v_cache + offset);
-  for (int64_t byte = 0; byte < count * static_cast<int64_t>(sizeof(T)); byte += 64) {
-    __builtin_prefetch(k + byte);
-    __builtin_prefetch(v + byte);
-  }
-}
-
-// Fetches one block's K and V a few cache lines at a time between the arithmetic: all at once,
+// Fetches one block's K and V, a few cache lines per step() between the arithmetic: all at once,
 // the requests fill the core's miss buffers and the loads behind them wait (a quarter of the
 // kernel's time with the data already in L2).
-struct SpreadPrefetch {
+struct BlockPrefetch {
   const char* k = nullptr;
   const char* v = nullptr;
   int64_t next = 0, end = 0;
@@ -374,8 +364,8 @@ struct SpreadPrefetch {
     end = count * static_cast<int64_t>(sizeof(T));
   }
   void stop() { next = end = 0; }
-  inline void step(int lines) {
-    for (int i = 0; i < lines && next < end; ++i, next += 64) {
+  inline void step(int64_t lines) {
+    for (int64_t i = 0; i < lines && next < end; ++i, next += 64) {
       __builtin_prefetch(k + next);
       __builtin_prefetch(v + next);
     }
@@ -405,18 +395,19 @@ void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T*
   float* scores = scratch;
   // The block kPrefetchBlocks ahead is fetched while this one's values are taken: lines of K and
   // of V per value row, so that all of it is asked for within the block's group * block_size rows.
-  SpreadPrefetch spread;
-  const int64_t block_lines = block_size * D * static_cast<int64_t>(sizeof(T)) / 64;
-  const int lines_per_row = static_cast<int>((block_lines + group * block_size - 1) / (group * block_size));
+  BlockPrefetch spread;
+  const int64_t block_lines = (block_size * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t lines_per_row = (block_lines + group * block_size - 1) / (group * block_size);
   for (int64_t start = 0; start < len; start += block_size) {
-    const int64_t block = table[start / block_size], valid = std::min(block_size, len - start);
+    const int64_t index = start / block_size, block = table[index], valid = std::min(block_size, len - start);
     const T* kb = k_cache + block * block_stride + head_offset;
     const T* vb = v_cache + block * block_stride + head_offset;
     // Blocks lie anywhere in the cache, so the hardware cannot guess the next ones: fetch ahead.
-    const int64_t index = start / block_size;
     if (start == 0)  // the first blocks at once: there is no work yet to spread them over
-      for (int64_t ahead = 0; ahead < kPrefetchBlocks && ahead * block_size < len; ++ahead)
-        prefetch_block(k_cache, v_cache, table[ahead] * block_stride + head_offset, block_size * D);
+      for (int64_t ahead = 0; ahead < kPrefetchBlocks && ahead * block_size < len; ++ahead) {
+        spread.start(k_cache, v_cache, table[ahead] * block_stride + head_offset, block_size * D);
+        spread.step(block_lines);
+      }
     if (start + kPrefetchBlocks * block_size < len)
       spread.start(k_cache, v_cache, table[index + kPrefetchBlocks] * block_stride + head_offset, block_size * D);
     else

@@ -7,6 +7,7 @@ exactly the computed units across both ingress replicas, and a per-request cap s
 from __future__ import annotations
 
 import hashlib
+import time
 
 import grpc
 import pytest
@@ -186,8 +187,6 @@ def _wait_for_log(path, tenant: str, count: int, request_id: str | None = None) 
 
 
 def _eventually(condition, timeout_s: float = 30) -> None:
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "not within the time"
@@ -269,8 +268,6 @@ def test_the_cli_sends_its_key(keyed_app):
 
 
 def test_deleting_an_app_does_not_wait_for_its_ingress_long_poll_of_the_ledger(server, model_dir):
-    import time
-
     from cluster.serve.ledger import POLL_TIMEOUT_S
 
     with deployed({**server, "model_dir": model_dir}, "short-stop", "/short-stop") as app:
