@@ -213,7 +213,9 @@ class PagedAttention:
         # [kv_heads, context_len, head_dim] from the sequence's blocks, in order
         k = torch.index_select(self.k_cache, 0, chunk.block_ids).transpose(0, 1).flatten(1, 2)[:, :ctx_len]
         v = torch.index_select(self.v_cache, 0, chunk.block_ids).transpose(0, 1).flatten(1, 2)[:, :ctx_len]
-        q = q.transpose(0, 1)  # [heads, n, head_dim]
+        # A batch axis of one: torch's CPU flash attention takes only 4-D inputs (3-D ones, or a
+        # 3-D GQA fold, run its unfused math path: ~4x slower at 512 tokens, docs/benchmarks.md).
+        q, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, heads, n, head_dim]
         if ctx_len == n:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -221,13 +223,5 @@ class PagedAttention:
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= (
                 torch.arange(n, device=q.device)[:, None] + (ctx_len - n)
             )
-            if n <= 128:
-                # Few queries over a long context (the rest of a prompt after a prefix hit): each
-                # KV head's query heads folded into one query axis run ~2x faster on CPU than
-                # enable_gqa, which expands K and V (no gain for long chunks).
-                folded = q.reshape(self.num_kv_heads, self.group * n, self.head_dim)
-                out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(self.group, 1))
-                out = out.view(self.num_heads, n, self.head_dim)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return out[0].transpose(0, 1)

@@ -3,8 +3,9 @@
 //  - group_linear: y = x W^T + b where W is stored in groups of 32 weights along the input
 //    dimension, the way GGUF stores it: Q4_1 (4-bit q, w = d*q + m) or Q8_0 (8-bit q, w = d*q),
 //    d and m in fp16. Each group is dequantized exactly as gguf-py does it (fp32 d*q, then + m)
-//    into a small buffer and multiplied in fp32, so the result is the fp32 GEMM of the checkpoint's
-//    own dequantized weights, up to summation order, while decode reads 5-6x fewer bytes.
+//    and multiplied in fp32, so the result is the fp32 GEMM of the checkpoint's own dequantized
+//    weights, up to summation order, while decode reads 5-6x fewer bytes. From kDenseFrom rows of
+//    x on, the whole weight is dequantized into a reused buffer and torch's GEMM multiplies it.
 //  - paged_attention: queries that each attend to the first `len` keys of one sequence's paged
 //    KV cache, read block by block in place (no gather copy), GQA-aware, online softmax, fp32 or
 //    bf16 cache. Decode rows and short prefill chunks over a long context go through it.
@@ -211,6 +212,44 @@ void few_tokens_linear(const GroupedWeight& w, const float* x, int64_t M, int64_
   });
 }
 
+// From this many rows of x on, dequantizing the weight and calling torch's GEMM (MKL) is faster
+// than the group kernel: MKL's register tiling gains more than the dequantization costs. The
+// default model's 30 layers on a 2-core AVX2 host: equal at 32 rows, 95 vs 113 ms at 48, 733 vs
+// 1,310 ms at 512 (docs/benchmarks.md). Below it the group kernel, reading the packed weight once, wins.
+constexpr int64_t kDenseFrom = 48;
+// Floats of W dequantized per GEMM call: the chunk stays in the L3 cache from its writing to the
+// GEMM's reading; a whole LM head (28M weights on the default model) would go out to memory.
+constexpr int64_t kDenseChunk = 2 << 20;
+
+// Rows [n0, n0 + rows) of W dequantized into out (rows x K, row-major), split between threads.
+void dequant_rows_parallel(const GroupedWeight& w, int64_t n0, int64_t rows, float* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    dequant_rows(w, n0 + begin, end - begin, out + begin * w.K);
+  });
+}
+
+// x W^T + b through torch's GEMM, W dequantized chunk by chunk into a buffer each thread keeps for
+// its next call (a fresh allocation of megabytes is a fresh mmap whose pages fault in every time).
+torch::Tensor dense_linear(const GroupedWeight& w, const torch::Tensor& x, int64_t N,
+                           const c10::optional<torch::Tensor>& bias) {
+  const int64_t chunk_rows = std::max<int64_t>(1, kDenseChunk / w.K);
+  thread_local torch::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < std::min(N, chunk_rows) * w.K)
+    buffer = torch::empty({std::min(N, chunk_rows) * w.K}, torch::kFloat32);
+  auto chunk = [&](int64_t n0, int64_t rows) {
+    dequant_rows_parallel(w, n0, rows, buffer.data_ptr<float>());
+    return buffer.narrow(0, 0, rows * w.K).view({rows, w.K});
+  };
+  if (N <= chunk_rows) return at::linear(x, chunk(0, N), bias);
+  auto out = torch::empty({x.size(0), N}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, N - n0);
+    const auto part_bias = bias.has_value() ? c10::optional<torch::Tensor>(bias->narrow(0, n0, rows)) : c10::nullopt;
+    out.narrow(1, n0, rows).copy_(at::linear(x, chunk(n0, rows), part_bias));
+  }
+  return out;
+}
+
 }  // namespace
 
 // x: [M, K] float32; qweight: [N, K/2] uint8 (Q4_1: byte j of a group holds weights j and j+16 in
@@ -226,11 +265,12 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   const bool q4 = qweight.scalar_type() == torch::kUInt8;
   TORCH_CHECK(q4 || qweight.scalar_type() == torch::kInt8, "qweight must be uint8 (Q4_1) or int8 (Q8_0)");
   if (q4) TORCH_CHECK(m.scalar_type() == torch::kFloat16 && m.sizes() == d.sizes(), "Q4_1 needs m like d");
+  const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
+                        q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
+  if (M >= kDenseFrom) return dense_linear(w, x, N, bias);
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
-                        q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
   if (M <= kFewTokens) {
     few_tokens_linear(w, xp, M, N, op);
     if (bias.has_value()) out += *bias;
@@ -259,18 +299,14 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   return out;
 }
 
-// The weight as float32 [N, K]: for checks and for callers that want the dense weight (the group
-// kernel matched or beat a dequantization followed by MKL's GEMM at every batch size measured).
+// The weight as float32 [N, K]: for checks and for callers that want the dense weight.
 torch::Tensor group_dequantize(torch::Tensor qweight, torch::Tensor d, torch::Tensor m) {
   const int64_t N = d.size(0), K = d.size(1) * kGroup;
   const bool q4 = qweight.scalar_type() == torch::kUInt8;
   auto result = torch::empty({N, K}, torch::dtype(torch::kFloat32));
   const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
                         q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
-  float* op = result.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    dequant_rows(w, begin, end - begin, op + begin * K);
-  });
+  dequant_rows_parallel(w, 0, N, result.data_ptr<float>());
   return result;
 }
 

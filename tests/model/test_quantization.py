@@ -65,6 +65,20 @@ def test_group_kernel_equals_fp32_on_the_same_values(rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("values", [q4_1_values, q8_0_values])
+@pytest.mark.parametrize("rows", [47, 48])
+def test_a_weight_larger_than_one_dequantized_chunk_equals_fp32(values, rows):
+    """From 48 rows on the kernel dequantizes the weight 2M floats at a time for torch's GEMM (an LM
+    head's size: here 3,700 x 576, two chunks, the second of 60 rows); just below, the group kernel."""
+    torch.manual_seed(0)
+    weight, bias = values(3700, 576), torch.randn(3700)
+    x = torch.randn(rows, 576)
+    grouped = recover_grouped(weight, bias)
+    expected = torch.nn.functional.linear(x, weight, bias)  # outputs up to ~50: fp32 sums of 576 products
+    torch.testing.assert_close(grouped.linear(x), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
 @pytest.mark.parametrize("bits, bound", [(8, 0.01), (4, 0.15)])
 def test_weight_only_quantization_is_close(bits, bound):
     torch.manual_seed(0)
