@@ -212,11 +212,13 @@ void few_tokens_linear(const GroupedWeight& w, const float* x, int64_t M, int64_
   });
 }
 
-// From this many rows of x on, dequantizing the weight and calling torch's GEMM (MKL) is faster
-// than the group kernel: MKL's register tiling gains more than the dequantization costs. The
-// default model's 30 layers on a 2-core AVX2 host: equal at 32 rows, 95 vs 113 ms at 48, 733 vs
-// 1,310 ms at 512 (docs/benchmarks.md). Below it the group kernel, reading the packed weight once, wins.
-constexpr int64_t kDenseFrom = 48;
+// From this many rows of x on (a prefill chunk, a step with one), dequantizing the weight and
+// calling torch's GEMM (MKL) is faster than the group kernel: MKL's register tiling gains more than
+// the dequantization costs. The default model's 30 layers on a 2-core AVX2 host, weights cold:
+// 275 vs 384 ms at 128 rows; hot, 733 vs 1,310 ms at 512 (docs/benchmarks.md). Between 48 and 64
+// rows it won alone but lost inside the layer stack's decode steps, so decode batches keep the
+// group kernel, which reads the packed weight once.
+constexpr int64_t kDenseFrom = 128;
 // Floats of W dequantized per GEMM call: the chunk stays in the L3 cache from its writing to the
 // GEMM's reading; a whole LM head (28M weights on the default model) would go out to memory.
 constexpr int64_t kDenseChunk = 2 << 20;

@@ -66,9 +66,9 @@ def test_group_kernel_equals_fp32_on_the_same_values(rows):
 
 @needs_kernels
 @pytest.mark.parametrize("values", [q4_1_values, q8_0_values])
-@pytest.mark.parametrize("rows", [47, 48])
+@pytest.mark.parametrize("rows", [127, 128])
 def test_a_weight_larger_than_one_dequantized_chunk_equals_fp32(values, rows):
-    """From 48 rows on the kernel dequantizes the weight 2M floats at a time for torch's GEMM (an LM
+    """From 128 rows on the kernel dequantizes the weight 2M floats at a time for torch's GEMM (an LM
     head's size: here 3,700 x 576, two chunks, the second of 60 rows); just below, the group kernel."""
     torch.manual_seed(0)
     weight, bias = values(3700, 576), torch.randn(3700)
