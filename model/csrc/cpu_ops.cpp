@@ -5,7 +5,7 @@
 //    d and m in fp16. Each group is dequantized exactly as gguf-py does it (fp32 d*q, then + m)
 //    and multiplied in fp32, so the result is the fp32 GEMM of the checkpoint's own dequantized
 //    weights, up to summation order, while decode reads 5-6x fewer bytes. From kDenseFrom rows of
-//    x on, the whole weight is dequantized into a reused buffer and torch's GEMM multiplies it.
+//    x on, the weight is dequantized chunk by chunk into a reused buffer for torch's GEMM.
 //  - paged_attention: queries that each attend to the first `len` keys of one sequence's paged
 //    KV cache, read block by block in place (no gather copy), GQA-aware, online softmax, fp32 or
 //    bf16 cache. Decode rows and short prefill chunks over a long context go through it.
