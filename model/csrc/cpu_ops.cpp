@@ -234,15 +234,14 @@ void dequant_rows_parallel(const GroupedWeight& w, int64_t n0, int64_t rows, flo
 // its next call (a fresh allocation of megabytes is a fresh mmap whose pages fault in every time).
 torch::Tensor dense_linear(const GroupedWeight& w, const torch::Tensor& x, int64_t N,
                            const c10::optional<torch::Tensor>& bias) {
-  const int64_t chunk_rows = std::max<int64_t>(1, kDenseChunk / w.K);
+  const int64_t chunk_rows = std::min(N, std::max<int64_t>(1, kDenseChunk / w.K));
   thread_local torch::Tensor buffer;
-  if (!buffer.defined() || buffer.numel() < std::min(N, chunk_rows) * w.K)
-    buffer = torch::empty({std::min(N, chunk_rows) * w.K}, torch::kFloat32);
+  if (!buffer.defined() || buffer.numel() < chunk_rows * w.K) buffer = torch::empty({chunk_rows * w.K}, torch::kFloat32);
   auto chunk = [&](int64_t n0, int64_t rows) {
     dequant_rows_parallel(w, n0, rows, buffer.data_ptr<float>());
     return buffer.narrow(0, 0, rows * w.K).view({rows, w.K});
   };
-  if (N <= chunk_rows) return at::linear(x, chunk(0, N), bias);
+  if (chunk_rows == N) return at::linear(x, chunk(0, N), bias);
   auto out = torch::empty({x.size(0), N}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, N - n0);
