@@ -36,7 +36,8 @@ def _cpu_flags() -> str:
 
 
 def build_key() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode())
+    sources = b"".join(path.read_bytes() for path in sorted(SOURCE.parent.iterdir()))  # the .cpp and its headers
+    digest = hashlib.sha256(sources + _cpu_flags().encode())
     return digest.hexdigest()[:12]
 
 

@@ -150,8 +150,13 @@ class ModelRunner:
     def describe(self) -> list[dict]:
         return [{"rank": self.tp_rank, "pid": os.getpid(), "kv_heads": self.num_kv_heads, "num_blocks": self.num_blocks,
                  "max_model_len": self.max_model_len, "quantization": self.quantization,
-                 "weight_formats": self.weight_formats,
+                 "weight_formats": self.weight_formats, "amx_tiles": self._amx_tiles(),
                  "attention": self._attention_path()}]
+
+    def _amx_tiles(self) -> bool:
+        """Whether the grouped weights multiply batches on AMX tiles (hosts that have them)."""
+        ops = cpu_ops() if self.device.type == "cpu" else None
+        return bool(ops is not None and ops.amx_tiles())
 
     def _attention_path(self) -> str:
         if self.flashinfer is not None:

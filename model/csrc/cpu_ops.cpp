@@ -5,7 +5,8 @@
 //    d and m in fp16. Each group is dequantized exactly as gguf-py does it (fp32 d*q, then + m)
 //    and multiplied in fp32, so the result is the fp32 GEMM of the checkpoint's own dequantized
 //    weights, up to summation order, while decode reads 5-6x fewer bytes. From kDenseFrom rows of
-//    x on, the weight is dequantized chunk by chunk into a reused buffer for torch's GEMM.
+//    x on, the weight is dequantized chunk by chunk into a reused buffer for torch's GEMM. On hosts
+//    with AMX, batches of 16 to 511 rows multiply on its tiles instead (amx_group_linear.h).
 //  - paged_attention: queries that each attend to the first `len` keys of one sequence's paged
 //    KV cache, read block by block in place (no gather copy), GQA-aware, online softmax, fp32 or
 //    bf16 cache. Decode rows and short prefill chunks over a long context go through it.
@@ -253,6 +254,27 @@ torch::Tensor dense_linear(const GroupedWeight& w, const torch::Tensor& x, int64
 
 }  // namespace
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define PAGODA_AMX 1
+#include "amx_group_linear.h"
+#else
+#define PAGODA_AMX 0
+#endif
+
+// Rows of x for which hosts with AMX take the tile kernel (amx_group_linear.h): below 16 a tile
+// is mostly padding; from 512 (a long prefill chunk) MKL's fp32 GEMM of the dequantized weight
+// was as fast on the default model's shapes (docs/benchmarks.md).
+constexpr int64_t kAmxFrom = 16, kAmxBelow = 512;
+
+// Whether group_linear takes AMX tiles here (built with them, and the kernel lets this process use them).
+bool amx_tiles() {
+#if PAGODA_AMX
+  return amx::available();
+#else
+  return false;
+#endif
+}
+
 // x: [M, K] float32; qweight: [N, K/2] uint8 (Q4_1: byte j of a group holds weights j and j+16 in
 // its low and high nibble) or [N, K] int8 (Q8_0); d, m: [N, K/32] float16 (m unused for Q8_0).
 torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor d, torch::Tensor m,
@@ -268,10 +290,19 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   if (q4) TORCH_CHECK(m.scalar_type() == torch::kFloat16 && m.sizes() == d.sizes(), "Q4_1 needs m like d");
   const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
                         q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
-  if (M >= kDenseFrom) return dense_linear(w, x, N, bias);
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
+#if PAGODA_AMX
+  if (M >= kAmxFrom && M < kAmxBelow && N % (2 * amx::kTile) == 0 && amx::available()) {
+    auto group_sums = q4 ? torch::empty({M, K / kGroup}, x.options()) : torch::Tensor();
+    amx::group_linear(w, xp, M, N, op, q4 ? group_sums.data_ptr<float>() : nullptr);
+    if (q4) out.addmm_(group_sums, m.to(torch::kFloat32).t());  // Q4_1's minimums: sum(x) . m^T per group
+    if (bias.has_value()) out += *bias;
+    return out;
+  }
+#endif
+  if (M >= kDenseFrom) return dense_linear(w, x, N, bias);
   if (M <= kFewTokens) {
     few_tokens_linear(w, xp, M, N, op);
     if (bias.has_value()) out += *bias;
@@ -719,6 +750,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotate-half rotary embedding of q and k", no_gil);
   m.def("write_cache", &write_cache, "a step's K or V into its cache slots", no_gil);
   m.def("group_linear", &group_linear, "x @ W^T with W in GGUF groups of 32 (Q4_1 or Q8_0)", no_gil);
+  m.def("amx_tiles", &amx_tiles, "whether group_linear multiplies on AMX tiles on this host");
   m.def("group_dequantize", &group_dequantize, "a grouped weight as float32", no_gil);
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place", no_gil);
   py::class_<DecodeStack>(m, "DecodeStack")

@@ -79,6 +79,23 @@ def test_a_weight_larger_than_one_dequantized_chunk_equals_fp32(values, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("values", [q4_1_values, q8_0_values])
+@pytest.mark.parametrize("rows", [15, 16, 17, 40, 300])
+def test_batches_on_amx_tiles_equal_fp32(values, rows):
+    """From 16 rows, on hosts with AMX (cpu_ops().amx_tiles()), x is split into three bf16 parts
+    that add up to it exactly and multiplies the GGUF's integers on the tiles: still the fp32
+    product. Elsewhere these rows take the group kernel or torch's GEMM, held to the same bound."""
+    torch.manual_seed(0)
+    weight, bias = values(192, 576), torch.randn(192)
+    x = torch.randn(rows, 576) * torch.logspace(-3, 3, 576)  # magnitudes spread over six decades
+    grouped = recover_grouped(weight, bias)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    fp32_error = (torch.nn.functional.linear(x, weight, bias).double() - expected).abs().max()
+    error = (grouped.linear(x).double() - expected).abs().max()
+    assert error <= 2 * fp32_error, (error, fp32_error)
+
+
+@needs_kernels
 @pytest.mark.parametrize("bits, bound", [(8, 0.01), (4, 0.15)])
 def test_weight_only_quantization_is_close(bits, bound):
     torch.manual_seed(0)
