@@ -4,13 +4,13 @@
 // quantized values q are small integers, exact in bf16; x is split into three bf16 parts whose sum
 // is x exactly (truncated to 8, then 16 bits of mantissa, and what is left: 24 in all). Each
 // product q * part is exact in fp32, so a group's sum(q * x) comes out with fp32 rounding only,
-// then it is scaled by d (and Q4_1 adds m * sum(x)): the fp32 GEMM of the dequantized weight, up
-// to summation order, like the few-row path of group_linear. Nothing is rounded to bf16.
+// then it is scaled by d (Q4_1's m * sum(x) is the caller's): the fp32 GEMM of the dequantized
+// weight, up to summation order, like the few-row path of group_linear. Nothing is rounded to bf16.
 //
 // Layout: A is a tile of 16 rows of W (one group of 32 values each, unpacked to bf16), B a tile of
 // one group of x's parts for 16 rows of x (pairs of inputs interleaved, as the instruction reads
 // them), C = A . B is 16 outputs of W by 16 rows of x, scaled by each W row's d and added up over
-// the groups in registers.
+// the groups in fp32.
 #pragma once
 
 #include <sys/syscall.h>
@@ -18,15 +18,19 @@
 
 #include <immintrin.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
 namespace amx {
 
-constexpr int64_t kTile = 16;       // rows of W and of x per tile
-constexpr int kParts = 3;           // bf16 parts of each x value
+constexpr int64_t kTile = 16;  // rows of W and of x per tile
+constexpr int kParts = 3;      // bf16 parts of each x value
 
 // Linux grants a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); a tile instruction before that is SIGILL. A kernel or hypervisor that says
-// no leaves the other paths.
-// PAGODA_AMX=0 turns the path off (to compare it with the others).
+// no leaves the other paths, as does PAGODA_AMX=0 (to compare them).
 inline bool available() {
   static const bool usable = [] {
     const char* setting = std::getenv("PAGODA_AMX");
