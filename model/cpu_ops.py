@@ -36,7 +36,7 @@ def _cpu_flags() -> str:
 
 
 def build_key() -> str:
-    sources = b"".join(path.read_bytes() for path in sorted(SOURCE.parent.iterdir()))  # the .cpp and its headers
+    sources = b"".join(path.read_bytes() for path in sorted(SOURCE.parent.glob("*.[ch]*")))  # the .cpp and its headers
     digest = hashlib.sha256(sources + _cpu_flags().encode())
     return digest.hexdigest()[:12]
 
