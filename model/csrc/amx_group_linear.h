@@ -115,7 +115,8 @@ inline void transpose16(const __m512i* in, __m512i* out) {
 }
 
 // x's three parts as B tiles: parts[p][(g * row_tiles + t) * 512 + i * 32 + 2 * j + e] is part p of
-// x[16 t + j][32 g + 2 i + e] (zero past M), and group_sums[g * M16 + row] = sum of x's group g.
+// x[16 t + j][32 g + 2 i + e] (zero past M); where group_sums is given, group_sums[row * groups + g]
+// = the sum of x's group g in that row (for Q4_1's minimums).
 void split_x(const float* x, int64_t M, int64_t K, int64_t M16, uint16_t* parts, float* group_sums) {
   const int64_t groups = K / kGroup, row_tiles = M16 / kTile, part_size = M16 * K;
   const __m512i mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -129,8 +130,8 @@ void split_x(const float* x, int64_t M, int64_t K, int64_t M16, uint16_t* parts,
         if (row < M) {
           values[0] = _mm512_loadu_ps(x + row * K + g * kGroup);
           values[1] = _mm512_loadu_ps(x + row * K + g * kGroup + 16);
+          if (group_sums) group_sums[row * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(values[0], values[1]));
         }
-        group_sums[g * M16 + row] = _mm512_reduce_add_ps(_mm512_add_ps(values[0], values[1]));
         __m512 part[kParts][2];
         for (int h = 0; h < 2; ++h) {  // truncations: each part holds 8 bits of mantissa, exactly
           __m512 rest = values[h];
@@ -154,18 +155,13 @@ void split_x(const float* x, int64_t M, int64_t K, int64_t M16, uint16_t* parts,
 // Tiles (GCC's tile intrinsics take literal numbers), for a block of 32 rows of W (A0, A1) by 32
 // rows of x (B0, B1), C_ij = A_i . B_j: C00 0, C01 1, C10 2, C11 3, A0 4, A1 5, B0 6, B1 7.
 
-// out[M, N] = x W^T for a grouped W, without Q4_1's minimums (the caller adds sum(x) . m^T);
-// N a multiple of 32.
+// out[M, N] = x W^T for a grouped W, without Q4_1's minimums (the caller adds sum(x) . m^T from
+// group_sums, [M, K / 32], filled here where given); N a multiple of 32.
 void group_linear(const GroupedWeight& w, const float* x, int64_t M, int64_t N, float* out, float* group_sums) {
   const int64_t K = w.K, groups = K / kGroup, M16 = (M + kTile - 1) / kTile * kTile, row_tiles = M16 / kTile;
   thread_local std::vector<uint16_t> parts;
-  thread_local std::vector<float> sums;
   parts.resize(kParts * M16 * K);
-  sums.resize(groups * M16);
-  split_x(x, M, K, M16, parts.data(), sums.data());
-  if (group_sums)  // [M, groups]
-    for (int64_t row = 0; row < M; ++row)
-      for (int64_t g = 0; g < groups; ++g) group_sums[row * groups + g] = sums[g * M16 + row];
+  split_x(x, M, K, M16, parts.data(), group_sums);
   const uint16_t* xp = parts.data();
   constexpr int64_t kTileFloats = kTile * kTile, kTileValues = kTile * 32;
   at::parallel_for(0, N / (2 * kTile), 1, [&](int64_t begin, int64_t end) {

@@ -213,6 +213,30 @@ void few_tokens_linear(const GroupedWeight& w, const float* x, int64_t M, int64_
   });
 }
 
+// The group kernel: 4 rows of W dequantized at a time, times blocks of up to 64 rows of x.
+void tiled_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N, float* op) {
+  const int64_t K = w.K;
+  const int64_t num_row_blocks = (N + kRowBlock - 1) / kRowBlock;
+  for (int64_t t0 = 0; t0 < M; t0 += kTokenBlock) {
+    const int64_t tokens = std::min(kTokenBlock, M - t0);
+    at::parallel_for(0, num_row_blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(kRowBlock * K);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * kRowBlock, rows = std::min(kRowBlock, N - n0);
+        dequant_rows(w, n0, rows, buf.data());
+        const float* xs = xp + t0 * K;
+        float* o = op + t0 * N + n0;
+        switch (rows) {
+          case 4: rows_times_block<4>(xs, tokens, K, buf.data(), o, N); break;
+          case 3: rows_times_block<3>(xs, tokens, K, buf.data(), o, N); break;
+          case 2: rows_times_block<2>(xs, tokens, K, buf.data(), o, N); break;
+          default: rows_times_block<1>(xs, tokens, K, buf.data(), o, N); break;
+        }
+      }
+    });
+  }
+}
+
 // From this many rows of x on (a prefill chunk, a step with one), dequantizing the weight and
 // calling torch's GEMM (MKL) is faster than the group kernel: MKL's register tiling gains more than
 // the dequantization costs. The default model's 30 layers on a 2-core AVX2 host, weights cold:
@@ -275,6 +299,15 @@ bool amx_tiles() {
 #endif
 }
 
+// Whether a product of M rows of x by N rows of W goes on the tiles.
+bool on_tiles(int64_t M, int64_t N) {
+#if PAGODA_AMX
+  return M >= kAmxFrom && M < kAmxBelow && N % (2 * amx::kTile) == 0 && amx::available();
+#else
+  return false;
+#endif
+}
+
 // x: [M, K] float32; qweight: [N, K/2] uint8 (Q4_1: byte j of a group holds weights j and j+16 in
 // its low and high nibble) or [N, K] int8 (Q8_0); d, m: [N, K/32] float16 (m unused for Q8_0).
 torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor d, torch::Tensor m,
@@ -290,46 +323,26 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   if (q4) TORCH_CHECK(m.scalar_type() == torch::kFloat16 && m.sizes() == d.sizes(), "Q4_1 needs m like d");
   const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
                         q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
+  const bool tiles = on_tiles(M, N);
+  if (!tiles && M >= kDenseFrom) return dense_linear(w, x, N, bias);
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  if (tiles) {
 #if PAGODA_AMX
-  if (M >= kAmxFrom && M < kAmxBelow && N % (2 * amx::kTile) == 0 && amx::available()) {
     auto group_sums = q4 ? torch::empty({M, K / kGroup}, x.options()) : torch::Tensor();
     amx::group_linear(w, xp, M, N, op, q4 ? group_sums.data_ptr<float>() : nullptr);
     if (q4) out.addmm_(group_sums, m.to(torch::kFloat32).t());  // Q4_1's minimums: sum(x) . m^T per group
-    if (bias.has_value()) out += *bias;
-    return out;
-  }
 #endif
-  if (M >= kDenseFrom) return dense_linear(w, x, N, bias);
-  if (M <= kFewTokens) {
+  } else if (M <= kFewTokens) {
     few_tokens_linear(w, xp, M, N, op);
-    if (bias.has_value()) out += *bias;
-    return out;
-  }
-  const int64_t num_row_blocks = (N + kRowBlock - 1) / kRowBlock;
-  for (int64_t t0 = 0; t0 < M; t0 += kTokenBlock) {
-    const int64_t tokens = std::min(kTokenBlock, M - t0);
-    at::parallel_for(0, num_row_blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(kRowBlock * K);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t n0 = b * kRowBlock, rows = std::min(kRowBlock, N - n0);
-        dequant_rows(w, n0, rows, buf.data());
-        const float* xs = xp + t0 * K;
-        float* o = op + t0 * N + n0;
-        switch (rows) {
-          case 4: rows_times_block<4>(xs, tokens, K, buf.data(), o, N); break;
-          case 3: rows_times_block<3>(xs, tokens, K, buf.data(), o, N); break;
-          case 2: rows_times_block<2>(xs, tokens, K, buf.data(), o, N); break;
-          default: rows_times_block<1>(xs, tokens, K, buf.data(), o, N); break;
-        }
-      }
-    });
+  } else {
+    tiled_linear(w, xp, M, N, op);
   }
   if (bias.has_value()) out += *bias;
   return out;
 }
+
 
 // The weight as float32 [N, K]: for checks and for callers that want the dense weight.
 torch::Tensor group_dequantize(torch::Tensor qweight, torch::Tensor d, torch::Tensor m) {
