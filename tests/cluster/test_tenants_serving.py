@@ -168,8 +168,9 @@ def test_a_budget_runs_out_at_exactly_its_units_across_two_ingress_replicas(keye
     def metric(name: str, label: str) -> float:
         return metric_value(requests.get(keyed_app["metrics"], timeout=30).text, name, label)
 
+    # each counter is exported on its own schedule (1 s): wait for each, not for one then read the other
     _eventually(lambda: metric("ray_pagoda_tenant_compute_units_total", 'tenant="metered"') == BUDGET_REQUESTS * COST)
-    assert metric("ray_pagoda_tenant_refusals_total", 'reason="quota",tenant="metered"') >= 2
+    _eventually(lambda: metric("ray_pagoda_tenant_refusals_total", 'reason="quota",tenant="metered"') >= 2)
 
 
 def _wait_for_log(path, tenant: str, count: int, request_id: str | None = None) -> list[dict]:
