@@ -2,16 +2,23 @@
 against Pagoda's LLMServer in this process without Ray or Serve (`pagoda bench --target engine`),
 on the same workload in the same run: what the serving path costs.
 
-    python -m benchmarks.serving_latency [--levels 1,8,32] [--output-len 64] [--workload random --input-len 128]
+    python -m benchmarks.serving_latency [--levels 1,8,32] [--output-len 64] [--rounds 3]
+                                         [--workload random --input-len 128]
 
 Starts its own local Ray cluster + Serve on ports 18300/19300. Each level sends max(4, level)
 requests, `level` at a time, each generating exactly --output-len tokens (greedy, ignore_eos):
 one-turn chats, or `--workload random` prompts of --input-len tokens (what serving_sweep sends).
+
+A round is the served runs, then the in-process runs right after. The small VMs this runs on
+drift in speed from one quarter hour to the next (one stream in process: 10.7 and 17 ms a token
+twenty minutes apart, docs/benchmarks.md), so a ratio is only fair between runs minutes apart:
+with --rounds N the rounds alternate and the summary is each ratio's median over the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 from cluster.bench import report
@@ -27,6 +34,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1, help="served then in process, this many times in turn")
     parser.add_argument("--workload", choices=["chat", "random"], default="chat")
     parser.add_argument("--input-len", type=int, default=128, help="random prompts' length in tokens")
     parser.add_argument("--out-dir", default="benchmarks/results/serving_latency")
@@ -38,17 +46,37 @@ def main():
     def measure(target: str, label: str) -> dict:
         return run_levels(label, levels, spec, already_running(target), lambda level: max(4, level), max_batch=max(levels))
 
-    launcher.start({"model": model_dir, "engine": {"max_num_seqs": max(levels)}}, HTTP, GRPC)
-    try:
-        served = [measure(f"http://127.0.0.1:{HTTP}", "http"), measure(f"grpc://127.0.0.1:{GRPC}", "grpc")]
-    finally:
-        launcher.stop()
-    engine = measure(f"engine:{model_dir}", "engine (no Ray)")
+    ratios_by_round = []
+    for round_ in range(1, args.rounds + 1):
+        launcher.start({"model": model_dir, "engine": {"max_num_seqs": max(levels)}}, HTTP, GRPC)
+        try:
+            served = [measure(f"http://127.0.0.1:{HTTP}", "http"), measure(f"grpc://127.0.0.1:{GRPC}", "grpc")]
+        finally:
+            launcher.stop()
+        engine = measure(f"engine:{model_dir}", "engine (no Ray)")
 
-    for result in [*served, engine]:
-        report.save(result, Path(args.out_dir) / f"{result['label'].split()[0]}.json")
-        print(report.table(result) + "\n")
-    print(report.ratio_table(engine, served))
+        suffix = f"-round{round_}" if args.rounds > 1 else ""
+        for result in [*served, engine]:
+            report.save(result, Path(args.out_dir) / f"{result['label'].split()[0]}{suffix}.json")
+            print(report.table(result) + "\n")
+        print(report.ratio_table(engine, served))
+        ratios_by_round.append({(other["label"], row["load"]): row for other in served for row in report.ratios(engine, other)})
+    if args.rounds > 1:
+        print(median_ratios(ratios_by_round))
+
+
+def median_ratios(ratios_by_round: list[dict]) -> str:
+    """Each served label's ratios to the in-process runs of its own round, median over the rounds
+    (TTFT/TPOT x = served / in process)."""
+    lines = [f"median over {len(ratios_by_round)} rounds, served / in process",
+             f"{'target':>8} {'load':>10} {'out tok/s x':>12} {'TTFT p50 x':>11} {'TPOT p50 x':>11}   TPOT x per round"]
+    for key in ratios_by_round[0]:
+        rows = [round_[key] for round_ in ratios_by_round if key in round_]
+        median = {name: statistics.median(row[name] for row in rows) for name in ("output_throughput", "ttft_median", "tpot_median")}
+        each = " ".join(f"{row['tpot_median']:.2f}" for row in rows)
+        lines.append(f"{key[0]:>8} {key[1]:>10} {median['output_throughput']:>12.2f} {median['ttft_median']:>11.2f} "
+                     f"{median['tpot_median']:>11.2f}   {each}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
