@@ -343,7 +343,6 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   return out;
 }
 
-
 // The weight as float32 [N, K]: for checks and for callers that want the dense weight.
 torch::Tensor group_dequantize(torch::Tensor qweight, torch::Tensor d, torch::Tensor m) {
   const int64_t N = d.size(0), K = d.size(1) * kGroup;
