@@ -3,7 +3,8 @@ session on this machine, with the same `pagoda bench` workload for all:
 
     Pagoda         local Ray + Serve (launcher), OpenAI HTTP and gRPC ("pagoda"; HTTP only: "pagoda-http"),
                    its default weights (on the default model: the GGUF's own Q4_1 groups, lossless);
-                   optionally dense fp32 ("pagoda-fp32") and dynamic int8 ("pagoda-int8"), HTTP
+                   optionally dense fp32 ("pagoda-fp32"), dynamic int8 ("pagoda-int8") and the GGUF's
+                   groups times int8 activations ("pagoda-int8x", llama.cpp's arithmetic), HTTP
     llama.cpp      llama-server from the llama-cpp-python sdist, same GGUF, --parallel = concurrency
     HF static      transformers in-process, batches of up to `concurrency`, padded (c=1: one at a time)
 
@@ -57,6 +58,7 @@ def main():
         ("pagoda-http", {}, ("pagoda-http",)),
         ("pagoda-fp32", {"quantization": "none"}, ("pagoda-fp32-http",)),
         ("pagoda-int8", {"quantization": "int8"}, ("pagoda-int8-http",)),
+        ("pagoda-int8x", {"quantization": "int8-activations"}, ("pagoda-int8x-http",)),
     ):
         if variant not in targets:
             continue

@@ -8,7 +8,7 @@ from pathlib import Path
 
 # The weight formats a runner can load a model in (model/quantization.py says what each is); here,
 # with no torch import, so that the CLI and configs can name them cheaply.
-QUANTIZATION_MODES = ("auto", "none", "int8", "int8-weights", "int4-weights")
+QUANTIZATION_MODES = ("auto", "none", "int8", "int8-weights", "int4-weights", "int8-activations")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -22,12 +22,13 @@ SWITCH = "PAGODA_DECODE_STACK"  # "0": every step through the Python layers (for
 
 
 def linear_parts(linear: LinearBase):
-    """(weight, q, d, m, bias) as DecodeStack.add_layer takes them, or None for a format it lacks."""
+    """(weight, q, d, m, bias, int8_activations) as DecodeStack.add_layer takes them, or None for a
+    format it lacks."""
     packed = linear.packed
     if packed is None:
-        return linear.weight.data, None, None, None, None if linear.bias is None else linear.bias.data
+        return linear.weight.data, None, None, None, None if linear.bias is None else linear.bias.data, False
     if isinstance(packed, GroupedWeight):
-        return None, packed.qweight, packed.d, packed.m, packed.bias
+        return None, packed.qweight, packed.d, packed.m, packed.bias, packed.int8_activations
     return None
 
 

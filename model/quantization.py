@@ -7,6 +7,8 @@
     "int8"                         Int8Weight: int8 weights x int8 activations  no (perplexity +4%)
     "int8-weights"                 GroupedWeight Q8_0 from any checkpoint       no (see docs/benchmarks.md)
     "int4-weights"                 GroupedWeight Q4_1 from any checkpoint       no (see docs/benchmarks.md)
+    "int8-activations"             grouped as "auto" finds them, times          no (llama.cpp's arithmetic;
+                                   activations rounded to int8 per group of 32  see docs/benchmarks.md)
 
 The default model comes from a Q4_1 GGUF (its LM head Q8_0): dequantized to fp32 once at fetch, its
 weights are exactly representable again as those groups, so `recover_grouped` finds the groups, and
@@ -33,11 +35,14 @@ class PackedWeight(Protocol):
 class GroupedWeight:
     """A weight [N, K] in groups of 32 along K, each with an fp16 scale d (and for Q4_1 a minimum
     m): Q4_1 stores q in 0..15 two to a byte, w = d*q + m; Q8_0 stores q in -127..127, w = d*q.
-    Multiplied by Pagoda's group_linear kernel, which dequantizes group by group in fp32."""
+    Multiplied by Pagoda's group_linear kernel, which dequantizes group by group in fp32, or, with
+    int8_activations, rounds x to int8 per group of 32 and multiplies integers (llama.cpp's way)."""
 
-    def __init__(self, qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None):
+    def __init__(self, qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None,
+                 int8_activations: bool = False):
         self.qweight, self.d, self.m, self.bias = qweight, d, m, bias
-        self.kind = "q4_1" if m is not None else "q8_0"
+        self.int8_activations = int8_activations
+        self.kind = ("q4_1" if m is not None else "q8_0") + ("_x_int8" if int8_activations else "")
         self._ops = cpu_ops()
 
     @property
@@ -47,7 +52,8 @@ class GroupedWeight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, shape[-1]).float()
-        out = self._ops.group_linear(x, self.qweight, self.d, self.m if self.m is not None else self.d, self.bias)
+        out = self._ops.group_linear(x, self.qweight, self.d, self.m if self.m is not None else self.d, self.bias,
+                                     self.int8_activations)
         return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
 
     def dequantize(self) -> torch.Tensor:
@@ -70,7 +76,8 @@ def _dequant_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tens
     return q * d.float()[..., None] + m.float()[..., None]  # two roundings, as gguf-py and the kernel do
 
 
-def recover_grouped(weight: torch.Tensor, bias: torch.Tensor | None = None) -> GroupedWeight | None:
+def recover_grouped(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    int8_activations: bool = False) -> GroupedWeight | None:
     """The weight as Q4_1 or Q8_0 groups if every one of its values is exactly what those groups
     dequantize to (a checkpoint dequantized from such a GGUF), else None."""
     groups = _groups(weight)
@@ -84,14 +91,15 @@ def recover_grouped(weight: torch.Tensor, bias: torch.Tensor | None = None) -> G
         step = d.float()[..., None]
         q = torch.where(step > 0, torch.round((groups - low[..., None]) / step.clamp(min=1e-30)), 0).clamp(0, 15)
         if torch.equal(_dequant_q4(q, d, m), groups):
-            return GroupedWeight(_pack_q4(q), d.contiguous(), m.contiguous(), bias)
+            return GroupedWeight(_pack_q4(q), d.contiguous(), m.contiguous(), bias, int8_activations)
     # Q8_0: w = d*q, the largest |q| is 127.
     d = (groups.abs().amax(-1) / 127).half()
     if torch.isfinite(d).all():
         step = d.float()[..., None]
         q = torch.where(step > 0, torch.round(groups / step.clamp(min=1e-30)), 0).clamp(-127, 127)
         if torch.equal(q * step, groups):
-            return GroupedWeight(q.to(torch.int8).reshape(weight.shape).contiguous(), d.contiguous(), None, bias)
+            return GroupedWeight(q.to(torch.int8).reshape(weight.shape).contiguous(), d.contiguous(), None, bias,
+                                 int8_activations)
     return None
 
 
@@ -150,8 +158,8 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, mode: str) -> P
         return quantize_grouped(weight, 8, bias)
     if mode == "int4-weights":
         return quantize_grouped(weight, 4, bias)
-    if mode == "auto":
-        return recover_grouped(weight, bias)
+    if mode in ("auto", "int8-activations"):
+        return recover_grouped(weight, bias, int8_activations=mode == "int8-activations")
     return None
 
 
@@ -165,6 +173,6 @@ def check_mode(mode: str | None, device: torch.device) -> str:
         return "auto" if device.type == "cpu" and cpu_ops() is not None else "none"
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"quantization={mode!r} runs on the CPU only")
-    if mode in ("int8-weights", "int4-weights") and cpu_ops() is None:
+    if mode in ("int8-weights", "int4-weights", "int8-activations") and cpu_ops() is None:
         raise ValueError(f"quantization={mode!r} needs Pagoda's CPU kernels, which could not be built here")
     return mode

@@ -284,6 +284,7 @@ torch::Tensor dense_linear(const GroupedWeight& w, const torch::Tensor& x, int64
 #else
 #define PAGODA_AMX 0
 #endif
+#include "int8_group_linear.h"
 
 // Rows of x for which hosts with AMX take the tile kernel (amx_group_linear.h): below 16 a tile
 // is mostly padding; from 512 (a long prefill chunk) MKL's fp32 GEMM of the dequantized weight
@@ -310,8 +311,9 @@ bool on_tiles(int64_t M, int64_t N) {
 
 // x: [M, K] float32; qweight: [N, K/2] uint8 (Q4_1: byte j of a group holds weights j and j+16 in
 // its low and high nibble) or [N, K] int8 (Q8_0); d, m: [N, K/32] float16 (m unused for Q8_0).
+// int8_activations: x rounded to int8 per group of 32 first (int8_group_linear.h), at every M.
 torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor d, torch::Tensor m,
-                           c10::optional<torch::Tensor> bias) {
+                           c10::optional<torch::Tensor> bias, bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.is_contiguous(), "d must be contiguous float16");
   x = x.contiguous();
@@ -323,12 +325,15 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   if (q4) TORCH_CHECK(m.scalar_type() == torch::kFloat16 && m.sizes() == d.sizes(), "Q4_1 needs m like d");
   const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
                         q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
-  const bool tiles = on_tiles(M, N);
-  if (!tiles && M >= kDenseFrom) return dense_linear(w, x, N, bias);
+  if (int8_activations && M > int8x::kIntegerRows) x = int8x::rounded(x);
+  const bool integers = int8_activations && M <= int8x::kIntegerRows, tiles = !integers && on_tiles(M, N);
+  if (!integers && !tiles && M >= kDenseFrom) return dense_linear(w, x, N, bias);
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  if (tiles) {
+  if (integers) {
+    int8x::group_linear(w, xp, M, N, op);
+  } else if (tiles) {
 #if PAGODA_AMX
     auto group_sums = q4 ? torch::empty({M, K / kGroup}, x.options()) : torch::Tensor();
     amx::group_linear(w, xp, M, N, op, q4 ? group_sums.data_ptr<float>() : nullptr);
@@ -691,8 +696,9 @@ class DecodeStack {
   // A linear layer: grouped (q, d, m) or dense (weight); bias optional.
   struct Linear {
     c10::optional<torch::Tensor> weight, q, d, m, bias;
+    bool int8_activations;
     torch::Tensor operator()(const torch::Tensor& x) const {
-      if (q.has_value()) return group_linear(x, *q, *d, m.has_value() ? *m : *d, bias);
+      if (q.has_value()) return group_linear(x, *q, *d, m.has_value() ? *m : *d, bias, int8_activations);
       return at::linear(x, *weight, bias);
     }
   };
@@ -704,10 +710,10 @@ class DecodeStack {
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, torch::Tensor final_norm)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), final_norm_(final_norm) {}
 
-  // Each linear: (weight, q, d, m, bias), the unused ones None.
+  // Each linear: (weight, q, d, m, bias, int8_activations), the unused tensors None.
   using LinearParts = std::tuple<c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                                  c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                                 c10::optional<torch::Tensor>>;
+                                 c10::optional<torch::Tensor>, bool>;
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const LinearParts& qkv, const LinearParts& o,
                  const LinearParts& gate_up, const LinearParts& down) {
     layers_.push_back({input_norm, post_norm, linear(qkv), linear(o), linear(gate_up), linear(down)});
@@ -743,9 +749,9 @@ class DecodeStack {
 
  private:
   static Linear linear(const LinearParts& parts) {
-    const auto& [weight, q, d, m, bias] = parts;
+    const auto& [weight, q, d, m, bias, int8_activations] = parts;
     TORCH_CHECK(weight.has_value() || (q.has_value() && d.has_value()), "a linear needs a weight or q and d");
-    return {weight, q, d, m, bias};
+    return {weight, q, d, m, bias, int8_activations};
   }
 
   int64_t heads_, kv_heads_, head_dim_;
@@ -761,7 +767,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, with the residual added first when given", no_gil);
   m.def("rotary", &rotary, "rotate-half rotary embedding of q and k", no_gil);
   m.def("write_cache", &write_cache, "a step's K or V into its cache slots", no_gil);
-  m.def("group_linear", &group_linear, "x @ W^T with W in GGUF groups of 32 (Q4_1 or Q8_0)", no_gil);
+  m.def("group_linear", &group_linear, "x @ W^T with W in GGUF groups of 32 (Q4_1 or Q8_0)", py::arg("x"),
+        py::arg("qweight"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_activations") = false, no_gil);
   m.def("amx_tiles", &amx_tiles, "whether group_linear multiplies on AMX tiles on this host");
   m.def("group_dequantize", &group_dequantize, "a grouped weight as float32", no_gil);
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place", no_gil);

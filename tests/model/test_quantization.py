@@ -1,5 +1,6 @@
 """Weight formats: exact recovery of GGUF groups from a dequantized checkpoint (lossless), the group
-kernel against fp32 on the same values, weight-only int4/int8 and dynamic int8 (lossy, bounded)."""
+kernel against fp32 on the same values, weight-only int4/int8, dynamic int8 and int8 activations
+(lossy, bounded)."""
 
 import pytest
 import torch
@@ -95,6 +96,34 @@ def test_batches_on_amx_tiles_equal_fp32(values, rows):
     assert error <= 2 * fp32_error, (error, fp32_error)
 
 
+def rounded_per_group(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per group of 32 (scale max|x| / 127), back in float64: llama.cpp's Q8_0."""
+    groups = x.double().reshape(x.shape[0], -1, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(groups / scale.clamp(min=1e-300)) * scale).reshape(x.shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize("values", [q4_1_values, q8_0_values])
+@pytest.mark.parametrize("rows", [1, 2, 3, 40, 130])
+def test_int8_activations_multiply_the_rounded_x_by_the_exact_weights(values, rows):
+    """With int8 activations a product is W . x-rounded, whichever kernel takes the rows: integers
+    for one or two rows, the fp32 kernels (tiles, group kernel, torch's GEMM) on the rounded x
+    beyond; so a row's result is the same alone as in a batch up to fp32 rounding."""
+    torch.manual_seed(0)
+    weight, bias = values(192, 576), torch.randn(192)
+    x = torch.randn(rows, 576)
+    grouped = recover_grouped(weight, bias, int8_activations=True)
+    assert grouped.kind.endswith("_x_int8")
+    expected = torch.nn.functional.linear(rounded_per_group(x), weight.double(), bias.double())
+    out = grouped.linear(x)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    alone = grouped.linear(x[:1])
+    torch.testing.assert_close(out[:1], alone, rtol=1e-5, atol=1e-5)
+    fp32 = torch.nn.functional.linear(x, weight, bias)
+    assert ((out - fp32).norm() / fp32.norm()).item() < 0.02
+
+
 @needs_kernels
 @pytest.mark.parametrize("bits, bound", [(8, 0.01), (4, 0.15)])
 def test_weight_only_quantization_is_close(bits, bound):
@@ -143,6 +172,19 @@ def test_int8_engine_answers_and_frees_its_blocks(model_dir):
 
     llm = LLM(model_dir, num_blocks=64, quantization="int8")
     # Dynamic int8 flips the chat answer about France on some hosts (AVX2) and not others; Berlin holds.
+    out = llm.chat([{"role": "user", "content": "What is the capital of Germany?"}], SamplingParams(max_tokens=16, temperature=0))
+    assert "Berlin" in out[0].outputs[0].text
+    assert llm.engine.num_free_blocks == 64
+
+
+@needs_kernels
+def test_int8_activations_engine_answers_and_frees_its_blocks(model_dir):
+    """The default model's own groups times int8 activations: every layer and the head take it."""
+    from cluster import LLM, SamplingParams
+
+    llm = LLM(model_dir, num_blocks=64, quantization="int8-activations")
+    assert llm.engine.executor.weight_formats == {"q4_1_x_int8": 120, "q8_0_x_int8": 1}
+    # Like dynamic int8, it flips the small model's answer about France (to "L'Étoile"); Berlin holds.
     out = llm.chat([{"role": "user", "content": "What is the capital of Germany?"}], SamplingParams(max_tokens=16, temperature=0))
     assert "Berlin" in out[0].outputs[0].text
     assert llm.engine.num_free_blocks == 64
