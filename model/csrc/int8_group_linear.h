@@ -21,25 +21,25 @@ struct RoundedRows {
   std::vector<float> scale, sums;
 };
 
+// One group of 32 values rounded to q (as llama.cpp's Q8_0 rounds: to nearest); returns dx.
+inline float round_group(const float* x, int8_t* q) {
+  float largest = 0.0f;
+  for (int64_t i = 0; i < kGroup; ++i) largest = std::max(largest, std::fabs(x[i]));
+  const float scale = largest / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+  for (int64_t i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(std::rint(x[i] * inverse));
+  return scale;
+}
+
 inline RoundedRows round_rows(const float* x, int64_t M, int64_t K) {
   const int64_t groups = K / kGroup;
   RoundedRows rows{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
-  at::parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const float* xs = x + g * kGroup;
-      float largest = 0.0f;
-      for (int64_t i = 0; i < kGroup; ++i) largest = std::max(largest, std::fabs(xs[i]));
-      const float scale = largest / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const int8_t q = static_cast<int8_t>(std::nearbyint(xs[i] * inverse));
-        rows.q[g * kGroup + i] = q;
-        sum += q;
-      }
-      rows.scale[g] = scale;
-      rows.sums[g] = scale * static_cast<float>(sum);
-    }
-  });
+  for (int64_t g = 0; g < M * groups; ++g) {
+    int8_t* q = rows.q.data() + g * kGroup;
+    rows.scale[g] = round_group(x + g * kGroup, q);
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kGroup; ++i) sum += q[i];
+    rows.sums[g] = rows.scale[g] * static_cast<float>(sum);
+  }
   return rows;
 }
 
@@ -137,11 +137,16 @@ inline void group_linear(const GroupedWeight& w, const float* x, int64_t M, int6
 
 // x rounded as round_rows rounds it, back in fp32: dx * xq.
 inline torch::Tensor rounded(const torch::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
-  const RoundedRows rows = round_rows(x.data_ptr<float>(), M, K);
-  auto out = torch::empty({M, K}, x.options());
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < M * K; ++i) op[i] = rows.scale[i / kGroup] * static_cast<float>(rows.q[i]);
+  at::parallel_for(0, x.numel() / kGroup, 256, [&](int64_t begin, int64_t end) {
+    int8_t q[kGroup];
+    for (int64_t g = begin; g < end; ++g) {
+      const float scale = round_group(xp + g * kGroup, q);
+      for (int64_t i = 0; i < kGroup; ++i) op[g * kGroup + i] = scale * static_cast<float>(q[i]);
+    }
+  });
   return out;
 }
 
