@@ -21,10 +21,18 @@ struct RoundedRows {
   std::vector<float> scale, sums;
 };
 
-// One group of 32 values rounded to q (as llama.cpp's Q8_0 rounds: to nearest); returns dx.
+// One group of 32 values rounded to q (as llama.cpp's Q8_0 rounds: to nearest); returns dx. A group
+// with a NaN or an infinity gets dx = NaN (and q = 0), so that the products say so, as fp32's do.
 inline float round_group(const float* x, int8_t* q) {
-  float largest = 0.0f;
-  for (int64_t i = 0; i < kGroup; ++i) largest = std::max(largest, std::fabs(x[i]));
+  float largest = 0.0f, probe = 0.0f;  // probe: NaN when a value is not finite
+  for (int64_t i = 0; i < kGroup; ++i) {
+    largest = std::max(largest, std::fabs(x[i]));
+    probe += x[i] * 0.0f;
+  }
+  if (probe != 0.0f) {
+    std::fill(q, q + kGroup, 0);
+    return std::numeric_limits<float>::quiet_NaN();
+  }
   const float scale = largest / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
   for (int64_t i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(std::rint(x[i] * inverse));
   return scale;

@@ -125,6 +125,19 @@ def test_int8_activations_multiply_the_rounded_x_by_the_exact_weights(values, ro
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_activations_keep_a_non_finite_input_visible(rows):
+    """A NaN or infinity in x cannot be rounded to int8: its row comes out NaN (as fp32's would,
+    which the engine reports as that request's failure), the other rows unharmed."""
+    torch.manual_seed(0)
+    grouped = recover_grouped(q4_1_values(64, 320), int8_activations=True)
+    x = torch.randn(rows, 320)
+    x[0, 7] = float("inf") if rows == 1 else float("nan")
+    out = grouped.linear(x)
+    assert out[0].isnan().all() and out[1:].isfinite().all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("bits, bound", [(8, 0.01), (4, 0.15)])
 def test_weight_only_quantization_is_close(bits, bound):
     torch.manual_seed(0)
