@@ -325,8 +325,9 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   if (q4) TORCH_CHECK(m.scalar_type() == torch::kFloat16 && m.sizes() == d.sizes(), "Q4_1 needs m like d");
   const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
                         q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
-  if (int8_activations && M > int8x::kIntegerRows) x = int8x::rounded(x);
-  const bool integers = int8_activations && M <= int8x::kIntegerRows, tiles = !integers && on_tiles(M, N);
+  const bool integers = int8_activations && M <= int8x::kIntegerRows;
+  if (int8_activations && !integers) x = int8x::rounded(x);  // the fp32 kernels below multiply the rounded rows
+  const bool tiles = !integers && on_tiles(M, N);
   if (!integers && !tiles && M >= kDenseFrom) return dense_linear(w, x, N, bias);
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
