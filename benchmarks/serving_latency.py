@@ -4,6 +4,7 @@ on the same workload in the same run: what the serving path costs.
 
     python -m benchmarks.serving_latency [--levels 1,8,32] [--output-len 64] [--rounds 3]
                                          [--workload random --input-len 128]
+                                         [--quantization int8-activations] [--engine-in-ingress]
 
 Starts its own local Ray cluster + Serve on ports 18300/19300. Each level sends max(4, level)
 requests, `level` at a time, each generating exactly --output-len tokens (greedy, ignore_eos):
@@ -37,18 +38,24 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="served then in process, this many times in turn")
     parser.add_argument("--workload", choices=["chat", "random"], default="chat")
     parser.add_argument("--input-len", type=int, default=128, help="random prompts' length in tokens")
+    parser.add_argument("--quantization", default=None, help="the engine's weight format, served and in process")
+    parser.add_argument("--engine-in-ingress", action="store_true", help="serve with the engine in the ingress's process")
     parser.add_argument("--out-dir", default="benchmarks/results/serving_latency")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     model_dir = str(fetch_default_model())
     spec = WorkloadSpec(args.workload, input_len=args.input_len, output_len=args.output_len, turns=1)
 
+    engine_options = {"quantization": args.quantization} if args.quantization else {}
+
     def measure(target: str, label: str) -> dict:
-        return run_levels(label, levels, spec, already_running(target), lambda level: max(4, level), max_batch=max(levels))
+        return run_levels(label, levels, spec, already_running(target), lambda level: max(4, level), max_batch=max(levels),
+                          engine_options=engine_options)
 
     ratios_by_round = []
     for round_ in range(1, args.rounds + 1):
-        launcher.start({"model": model_dir, "engine": {"max_num_seqs": max(levels)}}, HTTP, GRPC)
+        launcher.start({"model": model_dir, "engine": {"max_num_seqs": max(levels), **engine_options},
+                        "engine_in_ingress": args.engine_in_ingress}, HTTP, GRPC)
         try:
             served = [measure(f"http://127.0.0.1:{HTTP}", "http"), measure(f"grpc://127.0.0.1:{GRPC}", "grpc")]
         finally:

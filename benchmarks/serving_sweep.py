@@ -4,7 +4,9 @@ session on this machine, with the same `pagoda bench` workload for all:
     Pagoda         local Ray + Serve (launcher), OpenAI HTTP and gRPC ("pagoda"; HTTP only: "pagoda-http"),
                    its default weights (on the default model: the GGUF's own Q4_1 groups, lossless);
                    optionally dense fp32 ("pagoda-fp32"), dynamic int8 ("pagoda-int8") and the GGUF's
-                   groups times int8 activations ("pagoda-int8x", llama.cpp's arithmetic), HTTP
+                   groups times int8 activations ("pagoda-int8x", llama.cpp's arithmetic), HTTP; each
+                   of the default and int8x also with the engine in the ingress's process
+                   ("pagoda-in-ingress", "pagoda-int8x-in-ingress")
     llama.cpp      llama-server from the llama-cpp-python sdist, same GGUF, --parallel = concurrency
     HF static      transformers in-process, batches of up to `concurrency`, padded (c=1: one at a time)
 
@@ -53,17 +55,20 @@ def main():
     out = Path(args.out_dir)
     results, probes = [], {}
 
-    for variant, engine, labels in (
-        ("pagoda", {}, ("pagoda-http", "pagoda-grpc")),
-        ("pagoda-http", {}, ("pagoda-http",)),
-        ("pagoda-fp32", {"quantization": "none"}, ("pagoda-fp32-http",)),
-        ("pagoda-int8", {"quantization": "int8"}, ("pagoda-int8-http",)),
-        ("pagoda-int8x", {"quantization": "int8-activations"}, ("pagoda-int8x-http",)),
+    in_ingress = {"engine_in_ingress": True}
+    for variant, engine, app, labels in (
+        ("pagoda", {}, {}, ("pagoda-http", "pagoda-grpc")),
+        ("pagoda-http", {}, {}, ("pagoda-http",)),
+        ("pagoda-fp32", {"quantization": "none"}, {}, ("pagoda-fp32-http",)),
+        ("pagoda-int8", {"quantization": "int8"}, {}, ("pagoda-int8-http",)),
+        ("pagoda-int8x", {"quantization": "int8-activations"}, {}, ("pagoda-int8x-http",)),
+        ("pagoda-in-ingress", {}, in_ingress, ("pagoda-in-ingress-http",)),
+        ("pagoda-int8x-in-ingress", {"quantization": "int8-activations"}, in_ingress, ("pagoda-int8x-in-ingress-http",)),
     ):
         if variant not in targets:
             continue
         launcher.start({"model": str(fetch_default_model()), "engine": {"max_num_seqs": max(levels), **engine},
-                        "max_waiting_requests": 4 * max(levels)}, HTTP, GRPC)
+                        "max_waiting_requests": 4 * max(levels), **app}, HTTP, GRPC)
         try:
             for label in labels:
                 target = f"grpc://127.0.0.1:{GRPC}" if label.endswith("grpc") else f"http://127.0.0.1:{HTTP}"

@@ -62,6 +62,8 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster (default: all).")
 @click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel size of the model server.")
 @click.option("--disaggregated", is_flag=True, help="Prefill and decode on separate deployments (KV moves between them).")
+@click.option("--engine-in-ingress", is_flag=True,
+              help="Run the engine in the Ingress replica's process: one Ray call fewer per streamed message.")
 @click.option("--prefill-tp", type=click.IntRange(min=1), default=None, help="With --disaggregated: TP size of the prefill side.")
 @click.option("--decode-tp", type=click.IntRange(min=1), default=None, help="With --disaggregated: TP size of the decode side.")
 @click.option("--device-kv-gb", type=click.FloatRange(min=0, min_open=True), default=None, help="KV pages in device memory.")
@@ -86,7 +88,7 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
               help="YAML of tenants and their API keys; without it the server is open.")
 @click.option("--usage-log", type=click.Path(dir_okay=False), default=None,
               help="Append one JSON line per ended request here (default with --api-keys: $PAGODA_HOME/usage.jsonl).")
-def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, prefill_tp, decode_tp,
+def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, engine_in_ingress, prefill_tp, decode_tp,
           device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through, preemption_mode, swap_space_gb,
           drain_timeout, front_door, autoscale, encoder, api_keys_file, usage_log) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground. SIGTERM or
@@ -112,6 +114,8 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
             engine["tensor_parallel_size"] = decode_tp
         if prefill_tp:
             args.setdefault("prefill_engine", {})["tensor_parallel_size"] = prefill_tp
+    if engine_in_ingress:
+        args["engine_in_ingress"] = True
     gib = 1 << 30
     for key, value in (("kv_cache_bytes", device_kv_gb), ("host_kv_bytes", host_kv_gb), ("disk_kv_bytes", disk_kv_gb),
                        ("swap_space_bytes", swap_space_gb)):

@@ -21,7 +21,8 @@ from cluster.bench.metrics import RequestRecord
 from model.config import ModelConfig
 
 
-def make_backend(target: str, *, ignore_eos: bool, max_batch: int | None = None):
+def make_backend(target: str, *, ignore_eos: bool, max_batch: int | None = None, engine_options: dict | None = None):
+    """engine_options: EngineConfig options of an in-process engine target (e.g. its quantization)."""
     if target.startswith(("http://", "https://")):
         return OpenAIHTTPBackend(target, ignore_eos)
     if target.startswith("grpc://"):
@@ -29,7 +30,7 @@ def make_backend(target: str, *, ignore_eos: bool, max_batch: int | None = None)
     if target == "hf" or target.startswith("hf:"):
         return HFBackend(target.partition(":")[2] or None, ignore_eos, max_batch or 1)
     if target == "engine" or target.startswith("engine:"):
-        return EngineBackend(target.partition(":")[2] or None, ignore_eos, max_batch or 64)
+        return EngineBackend(target.partition(":")[2] or None, ignore_eos, max_batch or 64, engine_options)
     raise ValueError(f"--target must be http://HOST:PORT, grpc://HOST:PORT, hf[:MODEL_DIR] or engine[:MODEL_DIR]; got {target!r}")
 
 
@@ -221,17 +222,18 @@ class HFBackend:
 
 
 class EngineBackend:
-    def __init__(self, model_dir: str | None, ignore_eos: bool, max_num_seqs: int):
+    def __init__(self, model_dir: str | None, ignore_eos: bool, max_num_seqs: int, engine_options: dict | None = None):
         self.model_dir = model_dir
         self.ignore_eos = ignore_eos
         self.max_num_seqs = max_num_seqs
+        self.engine_options = engine_options or {}
         self.server = None
 
     async def start(self) -> None:
         from cluster.serve.llm_server import LLMServer
 
-        self.server = LLMServer({"model": default_model(self.model_dir), "max_num_seqs": self.max_num_seqs},
-                                max_waiting_requests=1 << 20)
+        self.server = LLMServer({"model": default_model(self.model_dir), "max_num_seqs": self.max_num_seqs,
+                                 **self.engine_options}, max_waiting_requests=1 << 20)
 
     async def close(self) -> None:
         if self.server is not None:

@@ -26,18 +26,20 @@ def run_bench(
     tokenizer_dir: str | None = None,
     warmup: int = 2,
     progress: bool = True,
+    engine_options: dict | None = None,
     log=print,
 ) -> dict:
     """Runs the workload once per concurrency level (None: no cap, arrivals by request_rate) and
     returns the result file's dict. An in-process HF target batches up to the concurrency level
-    unless max_batch is given."""
+    unless max_batch is given; an in-process engine target takes engine_options."""
     tokenizer = _tokenizer(tokenizer_dir)
     requests = workloads.build(spec, tokenizer)
     # Warm-up prompts of their own, so that no measured request finds its prompt cached.
     warmup_requests = workloads.build(replace(spec, seed=spec.seed + 1_000_003), tokenizer)[:warmup]
     runs = []
     for concurrency in concurrencies:
-        backend = make_backend(target, ignore_eos=ignore_eos, max_batch=max_batch or concurrency)
+        backend = make_backend(target, ignore_eos=ignore_eos, max_batch=max_batch or concurrency,
+                               engine_options=engine_options)
         records, duration = asyncio.run(
             _run_once(backend, requests, warmup_requests, concurrency, request_rate, burstiness, spec.seed, progress))
         summary = summarize(records, duration, slo)

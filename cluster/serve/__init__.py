@@ -5,6 +5,7 @@
                                        │ deployment handle, streaming
                                        ▼
                                      LLMServer (llm_server.py: the engine loop in a thread)
+                                       (engine_in_ingress: in the Ingress's process, in_process.py)
 
 Plain classes; `serve.deployment` is applied only in app.build_app.
 """

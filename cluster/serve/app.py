@@ -2,6 +2,7 @@
 
     colocated (default):  Ingress -> LLMServer (prefill and decode in one engine)
     disaggregated:        Ingress -> DecodeServer -> PrefillServer   (KV: object store, layer by layer)
+    engine_in_ingress:    Ingress (its own LLMServer in its process; no LLMServer deployment)
     multimodal models, engine.encoder: deployment:
                           Ingress -> EncoderServer (media -> embeddings), then -> LLMServer ...
 
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
 from cluster.serve.circuit_breaker import CircuitBreakerConfig
+from cluster.serve.in_process import InProcessServer
 from cluster.serve.ingress import Ingress
 from cluster.serve.ledger import TenantLedger
 from cluster.serve.limits import InputLimits
@@ -130,6 +132,10 @@ class AppConfig(BaseModel):
                                         "the last token and errors go at once")
     llm_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**SERVER_DEFAULTS))
     disaggregated: bool = Field(False, description="prefill on PrefillServer, decode on the LLMServer deployment")
+    engine_in_ingress: bool = Field(False, description="each Ingress replica runs its own engine in its process (no "
+                                    "LLMServer deployment; the Ingress deployment takes llm_server's options): one Ray "
+                                    "call fewer per message, which a small node's engine step pays for "
+                                    "(cluster/serve/in_process.py)")
     prefill_engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig options of the prefill side over `engine`")
     prefill_torch_threads: int | None = Field(None, description="torch threads of the prefill engine (default: torch_threads)")
     prefill_server: DeploymentOptions = Field(default_factory=lambda: DeploymentOptions(**SERVER_DEFAULTS))
@@ -161,9 +167,24 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_ingress_behind_the_front_door(self):
-        if self.front_door and self.ingress.max_replicas != 1:
+        if self.front_door and self.ingress_options.max_replicas != 1:
             raise ValueError("front_door: needs exactly one Ingress replica (it mirrors that replica's queue)")
         return self
+
+    @model_validator(mode="after")
+    def _engine_in_ingress_has_one_engine(self):
+        if self.engine_in_ingress and self.disaggregated:
+            raise ValueError("engine_in_ingress: not with disaggregated (the prefill and decode engines are "
+                             "deployments of their own)")
+        return self
+
+    @property
+    def ingress_options(self) -> DeploymentOptions:
+        """The Ingress deployment's options: with engine_in_ingress its replicas are the engines,
+        so llm_server's options (replicas, autoscaling, resources) over the ingress's."""
+        if not self.engine_in_ingress:
+            return self.ingress
+        return DeploymentOptions(**{**self.ingress.as_kwargs(), **self.llm_server.as_kwargs()})
 
 
 def check_app_args(args: dict) -> tuple[AppConfig, dict | None, dict]:
@@ -206,16 +227,20 @@ def build_app(args: dict | None = None):
         prefill_server = serve.deployment(LLMServer, name="PrefillServer", **prefill_options).bind(
             engine_config=prefill_engine,
             **{**common, "torch_threads": config.prefill_torch_threads or config.torch_threads})
-    decode_options = {**drain, **config.llm_server.autoscaled_by_engine("decode", decode_engine)}
-    if config.disaggregated:  # unless the config names another router
-        decode_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)
-    llm_server = serve.deployment(LLMServer, name="LLMServer", **decode_options).bind(
-        engine_config=decode_engine, prefill_server=prefill_server, **common)
+    ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
+    if config.engine_in_ingress:
+        llm_server = InProcessServer({"engine_config": decode_engine, **common})
+        ingress_options = {**drain, **config.ingress_options.autoscaled_by_engine("decode", decode_engine)}
+    else:
+        decode_options = {**drain, **config.llm_server.autoscaled_by_engine("decode", decode_engine)}
+        if config.disaggregated:  # unless the config names another router
+            decode_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)
+        llm_server = serve.deployment(LLMServer, name="LLMServer", **decode_options).bind(
+            engine_config=decode_engine, prefill_server=prefill_server, **common)
     tenants = load_keys_file(config.api_keys_file) if config.api_keys_file else None
     ledger = serve.deployment(TenantLedger, name="TenantLedger", **LEDGER_OPTIONS).bind(
         tenants=tenants, usage_log=config.usage_log)
     ingress_cls = serve.ingress()(Ingress)  # the HTTP app: Ingress.__serve_build_asgi_app__
-    ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
     return serve.deployment(ingress_cls, name="Ingress", **ingress_options).bind(
         llm_server, ledger, limits=config.limits.model_dump(), max_pending_requests=max_pending_requests(config),
         front_door_dir=config.front_door_dir, encoder_server=encoder_server(config, decode_engine), tenants=tenants,
@@ -243,7 +268,7 @@ def parse_app_config(args: dict | None) -> AppConfig:
 
 def max_pending_requests(config: AppConfig) -> int:
     """The ingress refuses at once what every server replica would refuse: their queues together."""
-    return config.max_waiting_requests * config.llm_server.max_replicas
+    return config.max_waiting_requests * (1 if config.engine_in_ingress else config.llm_server.max_replicas)
 
 
 def _parse_cli_args(args: dict) -> dict:

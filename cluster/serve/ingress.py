@@ -2,7 +2,8 @@
 OpenAI routes (FastAPI) share one path:
 
     wire request -> validate + tokenize (PromptEncoder) -> GenerationRequest
-      -> LLMServer.generate over a streaming deployment handle -> RequestDelta stream -> wire
+      -> LLMServer.generate over a streaming deployment handle (or in this process with
+         engine_in_ingress: in_process.py) -> RequestDelta stream -> wire
 
 Errors are mapped in one table (`_error_kind`) to HTTP status + OpenAI error JSON and to gRPC
 status codes; a client never sees a stack trace.
@@ -53,6 +54,7 @@ from cluster.serve.errors import (
 from cluster.serve.circuit_breaker import CircuitBreaker, CircuitBreakerConfig, CircuitOpenError
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.front_door import FrontDoorFlag
+from cluster.serve.in_process import InProcessServer, LocalHandle
 from cluster.serve.ledger import Admission, RequestMeter, RequestSize
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
@@ -190,7 +192,16 @@ class Ingress:
                  max_pending_requests: int = 256, front_door_dir: str | None = None, encoder_server=None,
                  tenants: TenantsFile | None = None, circuit_breaker: dict | None = None,
                  cors_allowed_origins: list[str] | None = None):
-        self.llm = llm_server  # DeploymentHandle to LLMServer
+        # The LLMServer in this process (engine_in_ingress, cluster/serve/in_process.py), or None
+        self._server = llm_server.build() if isinstance(llm_server, InProcessServer) else None
+        if self._server is not None:
+            llm_server = LocalHandle(self._server)
+            # Serve looks these up on the replica's object: this replica's health is its engine's,
+            # and it scales on its engine's signals (the Ingress deployment takes llm_server's
+            # autoscaling_config).
+            self.check_health = self._server.check_health
+            self.record_autoscaling_stats = self._server.record_autoscaling_stats
+        self.llm = llm_server  # DeploymentHandle to LLMServer, or LocalHandle to the one above
         self.cors_allowed_origins = list(cors_allowed_origins or [])  # browsers' origins allowed to call
         # DeploymentHandle to the TenantLedger: admission under the tenants' limits, usage,
         # cancellation by id (cluster/serve/ledger.py)
@@ -427,6 +438,12 @@ class Ingress:
             self._cancellation_watch.cancel()
         if getattr(self, "_cancellation_poll", None) is not None:
             self._cancellation_poll.cancel()
+        if getattr(self, "_server", None) is not None:
+            self._server.shutdown()
+
+    def describe(self) -> dict | None:
+        """Its engine's `describe()` where this replica holds one (`pagoda status`'s groups)."""
+        return self._server.describe() if self._server is not None else None
 
     async def running_requests(self, tenant: str | None) -> list[dict]:
         return await self.ledger.requests.remote(tenant)

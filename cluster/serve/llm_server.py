@@ -175,7 +175,8 @@ class LLMServer:
         self.metrics = EngineMetrics(self.model_info()["model_id"])
         self.media_metrics = MediaMetrics(self.model_info()["model_id"]) if self.engine.encoder else None
         start_gpu_telemetry()
-        self._drain = DrainWatcher(replica_name(self), lambda: len(self._streams),
+        # its own name: with engine_in_ingress the Ingress in this replica reports too
+        self._drain = DrainWatcher(f"{replica_name(self)} engine", lambda: len(self._streams),
                                    on_deadline=lambda: self._send(("drain_deadline",)))
         self._ready.set()
 

@@ -37,7 +37,10 @@ class Demand:
 
 def app_demands(config, prefill_engine: dict | None, decode_engine: dict) -> list[Demand]:
     """What the app asks for as it starts: every deployment's initial replicas, with their TP ranks."""
-    deployments = [("Ingress", config.ingress, None), ("LLMServer", config.llm_server, decode_engine)]
+    if config.engine_in_ingress:
+        deployments = [("Ingress", config.ingress_options, decode_engine)]
+    else:
+        deployments = [("Ingress", config.ingress, None), ("LLMServer", config.llm_server, decode_engine)]
     if prefill_engine is not None:
         deployments.insert(1, ("PrefillServer", config.prefill_server, prefill_engine))
     demands = []

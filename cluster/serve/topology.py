@@ -10,13 +10,14 @@ from __future__ import annotations
 import ray
 
 SERVE_NAMESPACE = "serve"
-MODEL_SERVERS = ("LLMServer", "PrefillServer")
+# The deployments whose replicas may hold an engine (the Ingress's with engine_in_ingress)
+MODEL_SERVERS = ("LLMServer", "PrefillServer", "Ingress")
 
 
-def _describe_servable(_replica_actor) -> dict:
+def _describe_servable(_replica_actor) -> dict | None:
     from ray import serve
 
-    return serve.get_replica_context().servable_object.describe()
+    return serve.get_replica_context().servable_object.describe()  # None: an Ingress without an engine
 
 
 def describe_groups(app_name: str, timeout_s: float = 10.0) -> list[dict]:
@@ -33,6 +34,8 @@ def describe_groups(app_name: str, timeout_s: float = 10.0) -> list[dict]:
             info = ray.get(actor.__ray_call__.remote(_describe_servable), timeout=timeout_s)
         except Exception as e:  # noqa: BLE001 - a replica starting or dying: say so, list the rest
             groups.append({"deployment": parts[1], "replica": parts[2], "error": type(e).__name__})
+            continue
+        if info is None:
             continue
         for rank in info["ranks"]:
             rank["node_ip"] = node_ips.get(rank["node_id"])
