@@ -77,6 +77,7 @@ def test_generate_on_a_directory_that_is_not_a_model(tmp_path):
     (["--tp", "4"], "tensor parallel size 4 does not fit 9 query heads over 3 KV heads"),
     (["--disaggregated", "--prefill-tp", "6"], "tensor parallel size 6"),
     (["--prefill-tp", "2"], "--prefill-tp and --decode-tp need --disaggregated"),
+    (["--engine-in-ingress", "--disaggregated"], "engine_in_ingress: not with disaggregated"),
     (["--preemption-mode", "swap", "--swap-space-gb", "-1"], "--swap-space-gb"),
     (["--host-kv-gb", "-1"], "--host-kv-gb"),
     (["--autoscale", "4:1"], "need 0 <= MIN <= MAX"),
