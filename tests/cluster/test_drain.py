@@ -11,6 +11,7 @@ import time
 
 import grpc
 import psutil
+import pytest
 import requests
 
 from protos import inference_pb2 as pb
@@ -20,10 +21,10 @@ from tests.cluster.test_serve_cli import BIN, ROOT, assert_all_gone, descendants
 HTTP, GRPC = 18400, 19400
 
 
-def start_server(model_dir, drain_timeout: float) -> subprocess.Popen:
+def start_server(model_dir, drain_timeout: float, *options: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [str(BIN / "pagoda"), "serve", "--model", model_dir, "--http-port", str(HTTP), "--grpc-port", str(GRPC),
-         "--num-cpus", "1", "--drain-timeout", str(drain_timeout)],
+         "--num-cpus", "1", "--drain-timeout", str(drain_timeout), *options],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, cwd=ROOT,
     )
     assert proc.stdout.readline().startswith("pagoda ready")
@@ -112,9 +113,13 @@ def exits_cleanly(proc: subprocess.Popen, children: list[psutil.Process]) -> Non
 DRAIN_S, SHORT = 15, 64
 
 
-def test_sigterm_finishes_short_streams_ends_long_ones_with_an_error_refuses_new_ones_and_leaves_nothing(model_dir, server):
-    """With the session's server up too: two servers on one host, as in the suite and on a developer's machine."""
-    proc = start_server(model_dir, drain_timeout=DRAIN_S)
+@pytest.mark.parametrize("options", [(), ("--engine-in-ingress",)], ids=["two deployments", "engine in ingress"])
+def test_sigterm_finishes_short_streams_ends_long_ones_with_an_error_refuses_new_ones_and_leaves_nothing(
+        model_dir, server, options):
+    """With the session's server up too: two servers on one host, as in the suite and on a developer's
+    machine. With the engine in the ingress's process too: the engine ends the long streams at the
+    deadline while the replica still lives to send their error events."""
+    proc = start_server(model_dir, DRAIN_S, *options)
     try:
         children = descendants(proc.pid)
         assert_no_port_shared_with_another_server(children)
