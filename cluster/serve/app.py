@@ -227,11 +227,11 @@ def build_app(args: dict | None = None):
         prefill_server = serve.deployment(LLMServer, name="PrefillServer", **prefill_options).bind(
             engine_config=prefill_engine,
             **{**common, "torch_threads": config.prefill_torch_threads or config.torch_threads})
-    ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
-    if config.engine_in_ingress:
+    if config.engine_in_ingress:  # the Ingress replicas are the engines: they drain and scale as servers do
         llm_server = InProcessServer({"engine_config": decode_engine, **common})
         ingress_options = {**drain, **config.ingress_options.autoscaled_by_engine("decode", decode_engine)}
     else:
+        ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
         decode_options = {**drain, **config.llm_server.autoscaled_by_engine("decode", decode_engine)}
         if config.disaggregated:  # unless the config names another router
             decode_options.setdefault("request_router_config", PREFIX_AFFINITY_ROUTER)

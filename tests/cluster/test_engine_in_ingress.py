@@ -51,6 +51,17 @@ class Counting:
         return x * 2
 
 
+async def reading(stream, got: list) -> asyncio.Task:
+    """A task reading `stream` into `got`, once it has read a few numbers."""
+    async def read():
+        async for i in stream:
+            got.append(i)
+
+    reader = asyncio.ensure_future(read())
+    await asyncio.sleep(0.05)
+    return reader
+
+
 def test_a_local_handle_calls_and_streams_as_a_deployment_handle_does():
     async def main():
         server = Counting()
@@ -67,13 +78,7 @@ def test_a_cancel_from_another_task_ends_the_generator_and_the_reader():
         server = Counting()
         stream = LocalHandle(server).options(stream=True).numbers.remote(1000)
         got = []
-
-        async def read():
-            async for i in stream:
-                got.append(i)
-
-        reader = asyncio.ensure_future(read())
-        await asyncio.sleep(0.05)
+        reader = await reading(stream, got)
         stream.cancel()  # while the reader waits for the next number
         with pytest.raises(RequestCancelledError):
             await reader
@@ -99,13 +104,7 @@ def test_a_cancelled_reader_cancels_the_generator():
     async def main():
         server = Counting()
         stream = LocalHandle(server).options(stream=True).numbers.remote(1000)
-
-        async def read():
-            async for _ in stream:
-                pass
-
-        reader = asyncio.ensure_future(read())
-        await asyncio.sleep(0.05)
+        reader = await reading(stream, [])
         reader.cancel()  # a client gone: Serve cancels the request's task
         with pytest.raises(asyncio.CancelledError):
             await reader
