@@ -33,9 +33,9 @@ HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 # - Serve's controller loops every 0.5 s instead of 0.1, and handles export their metrics every
 #   second instead of every 0.1 s. On a node the engine shares with Serve, every wakeup of another
 #   process takes a core from one of the step's two OpenMP threads and holds the other at the
-#   region's end: the idle cluster's ~2,800 wakeups a second slowed a one-stream step beside it by
-#   1.18-1.22x, ~2,400 by 1.15x (docs/benchmarks.md). Autoscaling delays are timed, not counted
-#   in loops, so they mean the same.
+#   region's end: an idle server's ~2,070 wakeups a second slowed a one-stream step beside it by
+#   1.14-1.16x, ~1,740 with these by 1.09-1.13x (benchmarks/idle_cluster_cost.py). Serve's
+#   autoscaling delays are timed, not counted in loops, so they mean the same.
 SERVE_ENV_DEFAULTS = {PUSH_INTERVAL_ENV: "2", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
                       "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 _drain_signal = None  # the DrainSignal actor lives as long as this handle (owned by this driver)
