@@ -21,36 +21,17 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import requests
+import psutil
 
+from benchmarks import pagoda_server
 from cluster import LLM, SamplingParams
 from cluster.model_fetch import fetch_default_model
 
 HTTP, GRPC = 18300, 19300
 PROMPT = "Tell me a long story about a cat."
-
-
-def descendants(root: int) -> list[int]:
-    """root and every process below it (Ray's processes are children of the server's driver)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat[stat.rfind(")") + 2:].split()[1])
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
 
 
 def process_name(argv: list[str]) -> str:
@@ -99,22 +80,6 @@ def ms_per_token(llm: LLM, params: SamplingParams) -> float:
     return (time.perf_counter() - start) / params.max_tokens * 1e3
 
 
-def start_server(engine_in_ingress: bool) -> subprocess.Popen:
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--http-port", str(HTTP), "--grpc-port", str(GRPC)]
-    server = subprocess.Popen(command + (["--engine-in-ingress"] if engine_in_ingress else []),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if requests.get(f"http://127.0.0.1:{HTTP}/health", timeout=5).status_code == 200:
-                return server
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    server.kill()
-    raise RuntimeError("pagoda serve did not become ready")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=10)
@@ -127,11 +92,12 @@ def main():
     llm = LLM(str(fetch_default_model()))
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     ms_per_token(llm, params)  # warm-up
-    server = start_server(args.engine_in_ingress)
+    server = pagoda_server.start("--http-port", str(HTTP), "--grpc-port", str(GRPC),
+                                 *(["--engine-in-ingress"] if args.engine_in_ingress else []))
     pids: list[int] = []
     try:
         time.sleep(args.settle_s)
-        pids = descendants(server.pid)
+        pids = [server.pid, *(child.pid for child in psutil.Process(server.pid).children(recursive=True))]
         per_process = wakeups_per_second(pids, 10.0)
         times: dict[str, list[float]] = {"frozen": [], "running": []}
         for i in range(args.pairs):  # which goes first alternates: neither gets the VM's trend

@@ -25,7 +25,6 @@ import selectors
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 import aiohttp
 import requests
 
+from benchmarks import pagoda_server
 from cluster.bench.report import save_rows
 
 HTTP, GRPC = 18500, 19500
@@ -44,13 +44,8 @@ def start_server(front_door: bool) -> subprocess.Popen:
     config = Path(tempfile.mkdtemp()) / "serve.yaml"
     config.write_text("applications:\n  - name: pagoda\n    args:\n      max_waiting_requests: 32\n"
                       "      engine: {max_num_seqs: 16}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config),
-                             "--http-port", str(HTTP), "--grpc-port", str(GRPC), *(["--front-door"] if front_door else [])],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    for line in proc.stdout:
-        if line.startswith("pagoda ready"):
-            return proc
-    raise RuntimeError("pagoda serve did not start")
+    return pagoda_server.start("--config", str(config), "--http-port", str(HTTP), "--grpc-port", str(GRPC),
+                               *(["--front-door"] if front_door else []))
 
 
 def percentiles(values: list[float]) -> dict:

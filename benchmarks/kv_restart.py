@@ -21,13 +21,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import requests
 
+from benchmarks import pagoda_server
 from cluster.bench.report import markdown_rows, save_rows
 from tests.parity_prompts import long_document
 
@@ -35,13 +35,8 @@ HTTP, GRPC = 8310, 9310
 
 
 def start_server(kv_dir: str, device_gb: float) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--http-port", str(HTTP), "--grpc-port", str(GRPC),
-           "--device-kv-gb", str(device_gb), "--host-kv-gb", "1", "--disk-kv-gb", "4", "--kv-cache-dir", kv_dir]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    for line in proc.stdout:
-        if line.startswith("pagoda ready"):
-            return proc
-    raise RuntimeError("pagoda serve did not start")
+    return pagoda_server.start("--http-port", str(HTTP), "--grpc-port", str(GRPC), "--device-kv-gb", str(device_gb),
+                               "--host-kv-gb", "1", "--disk-kv-gb", "4", "--kv-cache-dir", kv_dir)
 
 
 def ttft(document: str, chat: bool) -> tuple[float, str]:
