@@ -2,12 +2,13 @@
 the share of it spent in attention (cache write + paged attention, timed around every layer's
 call), for the weight formats and attention paths Pagoda has, in one session on this machine.
 
-    python -m benchmarks.decode_step_profile [--batches 1,32] [--context 512]
+    python -m benchmarks.decode_step_profile [--batches 1,32] [--context 512] [--kv-cache-dtypes auto,bfloat16]
 
 Configurations: dense fp32 weights with gathered-block attention (the path before the CPU
 kernels), dense fp32 with the paged kernel, and the default (on the default model: its GGUF's own
 Q4_1 / Q8_0 groups) with the paged kernel, through the Python layers and through the C++ layer
-stack (the default). Also one 512-token prefill chunk per configuration.
+stack (the default). Also one 512-token prefill chunk per configuration. Each configuration runs
+once per KV cache dtype asked for (`kv_cache_dtype`; auto: the model's, fp32).
 """
 
 from __future__ import annotations
@@ -102,19 +103,23 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--configs", default="0,1,2,3", help="which CONFIGS rows to run (indices)")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="kv_cache_dtype of each run, a comma list")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_step_profile.json"))
     args = parser.parse_args()
     model_dir = str(fetch_default_model())
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
-    for label, quantization, kernel, stack in (CONFIGS[int(i)] for i in args.configs.split(",")):
+    runs = [(config, kv) for config in (CONFIGS[int(i)] for i in args.configs.split(","))
+            for kv in args.kv_cache_dtypes.split(",")]
+    for (label, quantization, kernel, stack), kv_cache_dtype in runs:
         os.environ[decode_stack.SWITCH] = "1" if stack else "0"  # read when the model builds its stack
         llm = LLM(model_dir, num_blocks=(max(batches) + 1) * (args.context // 16 + 8), quantization=quantization,
-                  max_num_batched_tokens=512)
+                  max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype)
         runner = llm.engine.executor
         if not kernel:
             runner.kernel_max_queries = 0
-        row = {"config": label, "weights": runner.weight_formats, "prefill_512_ms": round(prefill_ms(llm), 1)}
+        row = {"config": label, "kv_cache": str(runner.kv_dtype).removeprefix("torch."), "weights": runner.weight_formats,
+               "prefill_512_ms": round(prefill_ms(llm), 1)}
         for batch in batches:
             step, share, mixed = decode_profile(llm, batch, args.context)
             row[f"step_ms_b{batch}"] = round(step, 1)

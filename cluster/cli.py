@@ -71,6 +71,9 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--disk-kv-gb", type=click.FloatRange(min=0), default=None, help="Disk (NVMe) tier below that; survives restarts.")
 @click.option("--kv-cache-dir", type=click.Path(file_okay=False), default=None,
               help="Directory of the disk tier (default: $PAGODA_HOME/kv-cache).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+              help="KV cache element type (default auto: the model's). bfloat16 under fp32 weights: twice the tokens, "
+                   "not bit-equal to HF.")
 @click.option("--kv-write-through", is_flag=True, help="Write every KV block down once computed (a crash loses none).")
 @click.option("--preemption-mode", type=click.Choice(["recompute", "swap"]), default=None,
               help="When device KV runs out: recompute a preempted request later, or swap its KV to host memory.")
@@ -89,7 +92,7 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--usage-log", type=click.Path(dir_okay=False), default=None,
               help="Append one JSON line per ended request here (default with --api-keys: $PAGODA_HOME/usage.jsonl).")
 def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, disaggregated, engine_in_ingress, prefill_tp, decode_tp,
-          device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_write_through, preemption_mode, swap_space_gb,
+          device_kv_gb, host_kv_gb, disk_kv_gb, kv_cache_dir, kv_cache_dtype, kv_write_through, preemption_mode, swap_space_gb,
           drain_timeout, front_door, autoscale, encoder, api_keys_file, usage_log) -> None:
     """Start Pagoda on Ray Serve (gRPC + OpenAI HTTP) and stay in the foreground. SIGTERM or
     Ctrl-C drains it (new requests refused, those in flight finish), then stops Serve and Ray."""
@@ -121,6 +124,8 @@ def serve(model_dir, config_path, http_port, grpc_port, address, num_cpus, tp, d
                        ("swap_space_bytes", swap_space_gb)):
         if value is not None:
             engine[key] = int(value * gib)
+    if kv_cache_dtype:
+        engine["kv_cache_dtype"] = kv_cache_dtype
     if kv_write_through:
         engine["kv_write_through"] = True
     if drain_timeout is not None:
@@ -385,7 +390,8 @@ def status(http_address, as_json, api_key) -> None:
             if "weight_formats" in rank:  # how this host runs the model (chosen at load)
                 formats = ", ".join(f"{count} {name}" for name, count in rank["weight_formats"].items())
                 click.echo(f"{group['deployment']} {group['replica']} rank {rank['rank']}: quantization "
-                           f"{rank['quantization']} (weights: {formats}); attention: {rank['attention']}")
+                           f"{rank['quantization']} (weights: {formats}); attention: {rank['attention']}; "
+                           f"KV cache: {rank['kv_cache_dtype']}")
     for key, value in report.get("engine", {}).items():
         click.echo(f"  {key}: {value}")
 

@@ -165,8 +165,8 @@ class PagedAttention:
             cpu_ops().write_cache(self.k_cache, k, ctx.slot_blocks, ctx.slot_offsets)
             cpu_ops().write_cache(self.v_cache, v, ctx.slot_blocks, ctx.slot_offsets)
         else:
-            self.k_cache[ctx.slot_blocks, :, ctx.slot_offsets] = k
-            self.v_cache[ctx.slot_blocks, :, ctx.slot_offsets] = v
+            self.k_cache[ctx.slot_blocks, :, ctx.slot_offsets] = k.to(self.k_cache.dtype)
+            self.v_cache[ctx.slot_blocks, :, ctx.slot_offsets] = v.to(self.v_cache.dtype)
         if ctx.flashinfer is not None:
             return ctx.flashinfer.run(q, self.k_cache, self.v_cache).view(q.shape[0], -1)
         out = torch.empty_like(q)
@@ -192,8 +192,9 @@ class PagedAttention:
     def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         num_seqs, seq_of_block = q.shape[0], ctx.decode_block_seq
         # [NB, kv_heads, block_size, head_dim] for the blocks read; [NB, kv_heads, head_dim, group] queries
-        k = torch.index_select(self.k_cache, 0, ctx.decode_block_ids)  # faster than k_cache[ids] on CPU
-        v = torch.index_select(self.v_cache, 0, ctx.decode_block_ids)
+        # (in the queries' dtype where the cache's differs)
+        k = torch.index_select(self.k_cache, 0, ctx.decode_block_ids).to(q.dtype)  # faster than k_cache[ids] on CPU
+        v = torch.index_select(self.v_cache, 0, ctx.decode_block_ids).to(q.dtype)
         q = q.view(num_seqs, self.num_kv_heads, self.group, self.head_dim) * self.scale
         scores = torch.matmul(k, q[seq_of_block].transpose(-1, -2))  # [NB, kv_heads, block_size, group]
         scores = scores.masked_fill(~ctx.decode_valid, float("-inf"))
@@ -211,8 +212,8 @@ class PagedAttention:
     def _prefill(self, q: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
         n, ctx_len = chunk.num_queries, chunk.context_len
         # [kv_heads, context_len, head_dim] from the sequence's blocks, in order
-        k = torch.index_select(self.k_cache, 0, chunk.block_ids).transpose(0, 1).flatten(1, 2)[:, :ctx_len]
-        v = torch.index_select(self.v_cache, 0, chunk.block_ids).transpose(0, 1).flatten(1, 2)[:, :ctx_len]
+        k = torch.index_select(self.k_cache, 0, chunk.block_ids).transpose(0, 1).flatten(1, 2)[:, :ctx_len].to(q.dtype)
+        v = torch.index_select(self.v_cache, 0, chunk.block_ids).transpose(0, 1).flatten(1, 2)[:, :ctx_len].to(q.dtype)
         # A batch axis of one: torch's CPU flash attention takes only 4-D inputs (3-D ones, or a
         # 3-D GQA fold, run its unfused math path: ~4x slower at 512 tokens, docs/benchmarks.md).
         q, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, heads, n, head_dim]

@@ -35,6 +35,7 @@ from model.tp_layout import head_shard
 # Chunks longer than this attend through SDPA on gathered blocks, faster once the chunk's own
 # queries share the K/V reads (measured in docs/benchmarks.md).
 KERNEL_MAX_QUERIES = 16
+KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches the paged kernel reads
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class ModelRunner:
         kv_cache_bytes: int = 1 << 30,
         max_model_len: int | None = None,
         dtype: torch.dtype = torch.float32,
+        kv_cache_dtype: torch.dtype | None = None,
         device: str = "cpu",
         quantization: str | None = None,
         tp_rank: int = 0,
@@ -92,10 +94,13 @@ class ModelRunner:
     ):
         """With tp_size > 1 this runner is one rank of a tensor-parallel group: it holds its shard
         of the weights and of the KV cache, and `reduce` all-reduces partial sums across ranks.
-        kv_put / kv_get move exported KV (model/kv_transfer.py); default: in-process."""
+        kv_put / kv_get move exported KV (model/kv_transfer.py); default: in-process.
+        kv_cache_dtype: the KV cache's element type (default: the model's); the step computes in
+        `dtype` and rounds K and V to it as they are written."""
         self.config = ModelConfig.from_dir(model_dir)
         self.tp_rank = tp_rank
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
+        self.kv_dtype = kv_cache_dtype or dtype
         self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
         with torch.device(self.device), _default_dtype(dtype):
             self.model = LlamaForCausalLM(self.config, self.max_model_len, tp_rank, tp_size, reduce)
@@ -110,7 +115,8 @@ class ModelRunner:
         self._kv_get = kv_get or (lambda xs: xs)
         load_weights(self.model, model_dir, multimodal=MultimodalSpec.from_dir(model_dir) is not None)
         # Decodes and chunks of up to this many queries attend through the paged kernel (0: no kernel).
-        self.kernel_max_queries = KERNEL_MAX_QUERIES if self.device.type == "cpu" and cpu_ops() is not None else 0
+        kernel = self.device.type == "cpu" and cpu_ops() is not None and self.kv_dtype in KERNEL_KV_DTYPES
+        self.kernel_max_queries = KERNEL_MAX_QUERIES if kernel else 0
         self.quantization = check_mode(quantization, self.device)
         self.weight_formats = self.model.quantize(self.quantization)
         self.model.eval()
@@ -118,14 +124,15 @@ class ModelRunner:
         # One allocation for all layers: [layers, K/V, blocks, kv_heads, block_size, head_dim]
         self.kv_cache = torch.zeros(
             c.num_hidden_layers, 2, self.num_blocks, self.num_kv_heads, block_size, c.head_dim,
-            dtype=dtype, device=self.device,
+            dtype=self.kv_dtype, device=self.device,
         )
         for i, attn in enumerate(self.model.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.model.decode_stack = build_decode_stack(self.model) if self.kernel_max_queries else None
         layer = self.model.attention_layers[0]
+        # FlashInfer's kernels take one dtype for queries and cache; a mixed pair attends through torch.
         self.flashinfer = build_flashinfer_attention(self.device, dtype, layer.num_heads, layer.num_kv_heads,
-                                                     layer.head_dim, block_size)
+                                                     layer.head_dim, block_size) if self.kv_dtype == dtype else None
 
     def read_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
         """A copy of each block's KV, this rank's heads: [layers, K/V, kv_heads, block_size, head_dim]
@@ -140,17 +147,18 @@ class ModelRunner:
         shape = (c.num_hidden_layers, 2, c.num_key_value_heads, self.block_size, c.head_dim)
         first, last = self.kv_heads
         for block_id, payload in zip(block_ids, payloads):  # one copy each (a stack first costs 4x more)
-            page = from_numpy(np.frombuffer(payload, _numpy_dtype(self.dtype)).reshape(shape), self.dtype)
+            page = from_numpy(np.frombuffer(payload, _numpy_dtype(self.kv_dtype)).reshape(shape), self.kv_dtype)
             self.kv_cache[:, :, block_id] = page[:, :, first:last].to(self.device)
 
     @property
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.config, self.num_kv_heads, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.config, self.num_kv_heads, self.block_size, self.kv_dtype)
 
     def describe(self) -> list[dict]:
         return [{"rank": self.tp_rank, "pid": os.getpid(), "kv_heads": self.num_kv_heads, "num_blocks": self.num_blocks,
                  "max_model_len": self.max_model_len, "quantization": self.quantization,
                  "weight_formats": self.weight_formats, "amx_tiles": self._amx_tiles(),
+                 "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                  "attention": self._attention_path()}]
 
     def _amx_tiles(self) -> bool:

@@ -9,6 +9,7 @@ from cache_service.page_codec import CODECS
 
 TP_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 ENCODER_PLACEMENTS = ("colocated", "deployment")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
@@ -22,6 +23,11 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context
     enable_prefix_caching: bool = True
     dtype: str = "float32"
+    # The KV cache's element type: "auto" is the model's dtype. "bfloat16" under an fp32 model halves
+    # the cache's bytes (twice the tokens in kv_cache_bytes, half the bytes decode attention reads)
+    # and rounds K and V once as they are written: not bit-equal to HF (perplexity in
+    # docs/benchmarks.md). The CPU's paged kernel reads float32 and bfloat16 caches.
+    kv_cache_dtype: str = "auto"
     # "int8": int8 weights with fbgemm's dynamic-int8 GEMM (CPU). Faster decode, not bit-equal to HF.
     quantization: str | None = None
     device: str = "cpu"
@@ -77,6 +83,10 @@ class EngineConfig:
             raise ValueError("disk_kv_bytes needs kv_cache_dir (the disk tier's directory)")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *DTYPES):
+            raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_page_codec not in CODECS:
             raise ValueError(f"kv_page_codec must be one of {', '.join(CODECS)}, got {self.kv_page_codec!r}")
         if self.tp_placement_strategy not in TP_PLACEMENT_STRATEGIES:
@@ -90,3 +100,8 @@ class EngineConfig:
             raise ValueError(f"tenant_scheduling must be 'fair' or 'fcfs', got {self.tenant_scheduling!r}")
         if self.kv_role not in (None, "prefill", "decode"):
             raise ValueError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's dtype, "auto" resolved."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype

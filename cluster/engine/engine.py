@@ -73,7 +73,7 @@ class LLMEngine:
                                        write_through=config.kv_write_through)
         # A swap copy holds every KV head (a TP group joins its ranks'): a whole page per block.
         c = self.model_config
-        page_bytes = kv_bytes_per_block(c, c.num_key_value_heads, config.block_size, parse_dtype(config.dtype))
+        page_bytes = kv_bytes_per_block(c, c.num_key_value_heads, config.block_size, parse_dtype(config.kv_dtype))
         self.kv_connector = KVConnector(self.kv_cache, offload, executor, prefetch=config.kv_prefetch,
                                         swap_space_blocks=config.swap_space_bytes // page_bytes)
         self.scheduler = Scheduler(self.kv_cache, self.kv_connector, config.max_num_batched_tokens,
@@ -401,7 +401,7 @@ class LLMEngine:
         # Pages hold every KV head whatever the TP degree (TPGroup.read_blocks joins the ranks'),
         # so the degree is not part of their identity: a TP=2 server's pages serve a TP=1 one.
         identity = {"model": self.model_identity, "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads,
-                    "head_dim": c.head_dim, "block_size": config.block_size, "dtype": config.dtype}
+                    "head_dim": c.head_dim, "block_size": config.block_size, "dtype": config.kv_dtype}
         return build_offload(identity, config.host_kv_bytes, config.disk_kv_bytes, config.kv_cache_dir,
                              config.kv_cache_service_shards, config.kv_page_codec, config.kv_cache_service_resources)
 
@@ -439,4 +439,7 @@ def _model_identity(model_dir: Path, config: EngineConfig) -> str:
     layout and numerics. It roots every block hash and is in every page's header."""
     digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
     weights = weights_fingerprint(model_dir)[:32]
-    return f"{model_dir.name}:{digest}:{weights}:{config.dtype}:{config.quantization or 'noquant'}:bs{config.block_size}"
+    # A cache of another dtype than the model's holds other values: its own pages (an "auto" cache
+    # keeps the identity it always had).
+    numerics = config.dtype if config.kv_dtype == config.dtype else f"{config.dtype}-kv-{config.kv_dtype}"
+    return f"{model_dir.name}:{digest}:{weights}:{numerics}:{config.quantization or 'noquant'}:bs{config.block_size}"

@@ -16,7 +16,8 @@ from model.loader import parse_dtype
 
 def build_executor(config: EngineConfig) -> Executor:
     options = dict(block_size=config.block_size, num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes,
-                   max_model_len=config.max_model_len, dtype=parse_dtype(config.dtype), device=config.device,
+                   max_model_len=config.max_model_len, dtype=parse_dtype(config.dtype),
+                   kv_cache_dtype=parse_dtype(config.kv_dtype), device=config.device,
                    quantization=config.quantization)
     if config.tensor_parallel_size > 1:
         from cluster.executor.tp_group import TPGroup

@@ -656,10 +656,11 @@ std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tenso
   return outs;
 }
 
-// cache[slot_blocks[t], :, slot_offsets[t]] = new[t] for a step's K or V ([T, KVH, D]).
+// cache[slot_blocks[t], :, slot_offsets[t]] = new[t] for a step's K or V ([T, KVH, D]), in the
+// cache's dtype (a bf16 cache under an fp32 model rounds each value once, here).
 void write_cache(torch::Tensor cache, torch::Tensor values, torch::Tensor slot_blocks, torch::Tensor slot_offsets) {
-  TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == values.scalar_type(), "cache and values must match");
-  values = values.contiguous();
+  TORCH_CHECK(cache.is_contiguous(), "the cache must be contiguous");
+  values = values.to(cache.scalar_type()).contiguous();
   const int64_t T = values.size(0), KVH = cache.size(1), block_size = cache.size(2), D = cache.size(3);
   const int64_t row_bytes = D * cache.element_size();
   const int64_t* blocks = slot_blocks.data_ptr<int64_t>();

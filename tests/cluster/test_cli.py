@@ -80,6 +80,7 @@ def test_generate_on_a_directory_that_is_not_a_model(tmp_path):
     (["--engine-in-ingress", "--disaggregated"], "engine_in_ingress: not with disaggregated"),
     (["--preemption-mode", "swap", "--swap-space-gb", "-1"], "--swap-space-gb"),
     (["--host-kv-gb", "-1"], "--host-kv-gb"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
     (["--autoscale", "4:1"], "need 0 <= MIN <= MAX"),
     (["--autoscale", "two"], "expected MIN:MAX"),
 ])
@@ -148,7 +149,10 @@ def test_status_shows_each_deployments_replicas_and_the_autoscaling_decision():
         "Ingress": {"status": "HEALTHY", "replicas": {"RUNNING": 1}, "autoscaling": None},
         "LLMServer": {"status": "UPSCALING", "replicas": {"RUNNING": 2, "STARTING": 1}, "autoscaling": {
             "current_replicas": 2, "target_replicas": 3, "num_replicas": 3,
-            "reason": "num_seqs at 1.50x target: above target"}}}, "engine": {"num_running": 4}}
+            "reason": "num_seqs at 1.50x target: above target"}}}, "engine": {"num_running": 4},
+        "groups": [{"deployment": "LLMServer", "replica": "r1", "ranks": [{
+            "rank": 0, "quantization": "auto", "weight_formats": {"q4_1": 120, "q8_0": 1},
+            "attention": "paged kernel, layer stack", "kv_cache_dtype": "bfloat16"}]}]}
 
     class Status(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -172,5 +176,7 @@ def test_status_shows_each_deployments_replicas_and_the_autoscaling_decision():
         "Ingress: HEALTHY replicas={'RUNNING': 1}",
         "LLMServer: UPSCALING replicas={'RUNNING': 2, 'STARTING': 1}",
         "  autoscaling: 2 running, Serve's target 3, policy asks 3: num_seqs at 1.50x target: above target",
+        "LLMServer r1 rank 0: quantization auto (weights: 120 q4_1, 1 q8_0); attention: paged kernel, layer stack; "
+        "KV cache: bfloat16",
         "  num_running: 4",
     ]

@@ -16,6 +16,8 @@ from cluster.engine.config import EngineConfig
     ({"kv_page_codec": "zstd"}, "kv_page_codec"),
     ({"tp_collective": "mpi"}, "tp_collective"),
     ({"kv_role": "both"}, "kv_role"),
+    ({"dtype": "float64"}, "dtype"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
 ])
 def test_a_bad_option_is_refused_naming_it(options, field):
     with pytest.raises(ValueError, match=field):
@@ -25,3 +27,9 @@ def test_a_bad_option_is_refused_naming_it(options, field):
 def test_the_defaults_are_valid():
     config = EngineConfig(model="unused")
     assert config.kv_page_codec == "shuffle-lz4" and config.preemption_mode == "recompute"
+    assert config.kv_cache_dtype == "auto" and config.kv_dtype == "float32"
+
+
+def test_the_kv_cache_dtype_is_the_models_unless_named():
+    assert EngineConfig(model="unused", dtype="bfloat16").kv_dtype == "bfloat16"
+    assert EngineConfig(model="unused", kv_cache_dtype="bfloat16").kv_dtype == "bfloat16"

@@ -53,16 +53,18 @@ def test_mixed_step_matches_dense_attention():
 
 @pytest.mark.skipif(cpu_ops() is None, reason="Pagoda's CPU kernels could not be built here")
 @pytest.mark.parametrize("kernel_max_queries", [1, 5, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_reads_blocks_in_place_like_the_torch_path(kernel_max_queries, dtype):
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.bfloat16)])
+def test_kernel_reads_blocks_in_place_like_the_torch_path(kernel_max_queries, dtype, cache_dtype):
     """The same step through the kernel (decodes, and chunks up to kernel_max_queries) and through
-    the gathering path: equal outputs; bf16 caches too."""
+    the gathering path: equal outputs; bf16 caches too, under a bf16 model and under an fp32 one
+    (kv_cache_dtype: both paths then compute in fp32 on the same rounded K/V)."""
     torch.manual_seed(1)
     heads, kv_heads, dim, block = 9, 3, 64, 16
     shapes = [(40, 1), (3, 1), (100, 1), (300, 1), (0, 20), (37, 5), (16, 3)]
     free = iter(torch.randperm(64).tolist())
     tables = [[next(free) for _ in range(-(-(c + n) // block))] for c, n in shapes]
-    caches = [torch.randn(64, kv_heads, block, dim).to(dtype) for _ in range(2)]
+    caches = [torch.randn(64, kv_heads, block, dim).to(cache_dtype) for _ in range(2)]
     args = (block, 4, [n for _, n in shapes], [c + n for c, n in shapes], tables)
     total = sum(n for _, n in shapes)
     q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
@@ -72,5 +74,7 @@ def test_kernel_reads_blocks_in_place_like_the_torch_path(kernel_max_queries, dt
         attn.k_cache, attn.v_cache = caches[0].clone(), caches[1].clone()
         outs.append(attn(q.to(dtype), k.to(dtype), v.to(dtype), ctx))
     assert outs[1].shape == (total, heads * dim) and outs[1].dtype == dtype
+    # Each path wrote the step's new K/V into its cache, rounded to the cache's dtype.
+    torch.testing.assert_close(attn.k_cache[tables[0][-1], :, 40 % block], k[0].to(cache_dtype), rtol=0, atol=0)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # the torch path computes in bf16, the kernel in fp32
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=tolerance, atol=tolerance)
