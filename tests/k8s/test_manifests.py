@@ -182,6 +182,17 @@ def test_the_cluster_is_autoscaled_authenticated_and_drains_before_it_is_killed(
             assert probe["grpc"]["port"] == serve["grpc_options"]["port"]
 
 
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_every_pod_sets_serves_intervals_as_a_local_cluster_does(rendered, name):
+    """Serve's timings that `pagoda serve` sets for a local cluster (autoscaling reports, the
+    controller's loop, handle metrics): every pod of the RayService sets the same."""
+    from cluster.serve.launcher import SERVE_ENV_DEFAULTS
+
+    for group, template in pod_templates(rayservice(rendered[name])).items():
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0].get("env", [])}
+        assert {key: env.get(key) for key in SERVE_ENV_DEFAULTS} == SERVE_ENV_DEFAULTS, group
+
+
 def test_the_image_pins_what_the_project_pins():
     dockerfile = (K8S / "Dockerfile").read_text()
     args = dict(re.findall(r"^ARG (\w+)=(\S+)$", dockerfile, re.M))
