@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from model.config import QUANTIZATION_MODES
+from model.config import DTYPES, QUANTIZATION_MODES
 
 
 @click.group()
@@ -71,7 +71,7 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--disk-kv-gb", type=click.FloatRange(min=0), default=None, help="Disk (NVMe) tier below that; survives restarts.")
 @click.option("--kv-cache-dir", type=click.Path(file_okay=False), default=None,
               help="Directory of the disk tier (default: $PAGODA_HOME/kv-cache).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", *DTYPES]), default=None,
               help="KV cache element type (default auto: the model's). bfloat16 under fp32 weights: twice the tokens, "
                    "not bit-equal to HF.")
 @click.option("--kv-write-through", is_flag=True, help="Write every KV block down once computed (a crash loses none).")

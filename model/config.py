@@ -9,6 +9,7 @@ from pathlib import Path
 # The weight formats a runner can load a model in (model/quantization.py says what each is); here,
 # with no torch import, so that the CLI and configs can name them cheaply.
 QUANTIZATION_MODES = ("auto", "none", "int8", "int8-weights", "int4-weights", "int8-activations")
+DTYPES = ("float32", "bfloat16", "float16")  # of the weights and of the KV cache (torch's names)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -11,7 +11,7 @@ import xxhash
 from safetensors import safe_open
 from torch import nn
 
-from model.config import UnsupportedModelError
+from model.config import DTYPES, UnsupportedModelError
 
 
 FINGERPRINT_FILE = ".pagoda-weights-fingerprint.json"
@@ -120,7 +120,6 @@ def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, obje
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {name!r}")
-    return dtypes[name]
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)

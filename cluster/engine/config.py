@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cache_service.page_codec import CODECS
+from model.config import DTYPES
 
 
 TP_PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 ENCODER_PLACEMENTS = ("colocated", "deployment")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
