@@ -28,6 +28,10 @@ def main() -> None:
     """Pagoda: LLM serving with a tiered, paged KV cache."""
 
 
+KV_CACHE_DTYPE_OPTION = click.option(
+    "--kv-cache-dtype", type=click.Choice(["auto", *DTYPES]), default=None,
+    help="KV cache element type (serve; generate --offline), default auto: the model's. "
+         "bfloat16 under fp32 weights: twice the tokens, not bit-equal to HF.")
 API_KEY_OPTION = click.option("--api-key", envvar="PAGODA_API_KEY", default=None,
                               help="The server's API key for you (default: $PAGODA_API_KEY).")
 
@@ -71,9 +75,7 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--disk-kv-gb", type=click.FloatRange(min=0), default=None, help="Disk (NVMe) tier below that; survives restarts.")
 @click.option("--kv-cache-dir", type=click.Path(file_okay=False), default=None,
               help="Directory of the disk tier (default: $PAGODA_HOME/kv-cache).")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", *DTYPES]), default=None,
-              help="KV cache element type (default auto: the model's). bfloat16 under fp32 weights: twice the tokens, "
-                   "not bit-equal to HF.")
+@KV_CACHE_DTYPE_OPTION
 @click.option("--kv-write-through", is_flag=True, help="Write every KV block down once computed (a crash loses none).")
 @click.option("--preemption-mode", type=click.Choice(["recompute", "swap"]), default=None,
               help="When device KV runs out: recompute a preempted request later, or swap its KV to host memory.")
@@ -241,10 +243,11 @@ def usage(log, as_json) -> None:
 @click.option("--quantization", type=click.Choice(list(QUANTIZATION_MODES)), default=None,
               help="Weight format (--offline; default auto: a GGUF-sourced model's own groups, lossless). "
                    "See README and docs/benchmarks.md.")
+@KV_CACHE_DTYPE_OPTION
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 @API_KEY_OPTION
 def generate(prompt, offline, server, model_dir, prompts_file, chat, images, audios, max_tokens, temperature, top_p,
-             top_k, seed, stop, ignore_eos, max_num_batched_tokens, quantization, as_json, api_key) -> None:
+             top_k, seed, stop, ignore_eos, max_num_batched_tokens, quantization, kv_cache_dtype, as_json, api_key) -> None:
     """Generate for PROMPT or every line of --prompts-file: from a running server (gRPC,
     streamed), or --offline in this process with all prompts batched together."""
     from pathlib import Path
@@ -276,19 +279,21 @@ def generate(prompt, offline, server, model_dir, prompts_file, chat, images, aud
     except InvalidRequestError as e:
         raise click.ClickException(str(e)) from None
     if offline:
-        _generate_offline(prompts, params, model_dir, max_num_batched_tokens, quantization, as_json)
+        engine_options = {"max_num_batched_tokens": max_num_batched_tokens, "quantization": quantization,
+                          "kv_cache_dtype": kv_cache_dtype or "auto"}
+        _generate_offline(prompts, params, model_dir, engine_options, as_json)
     else:
         _generate_online(prompts, params, server, as_json, api_key)
 
 
-def _generate_offline(prompts, params, model_dir, max_num_batched_tokens, quantization, as_json) -> None:
+def _generate_offline(prompts, params, model_dir, engine_options: dict, as_json) -> None:
     from cluster import LLM, InvalidRequestError
     from cluster.model_fetch import fetch_default_model
     from model.config import UnsupportedModelError
 
     try:
         llm = LLM(model_dir or str(fetch_default_model(log=lambda m: click.echo(m, err=True))),
-                  max_num_batched_tokens=max_num_batched_tokens, quantization=quantization)
+                  **engine_options)
         encoded = [llm.encode(p.get("prompt"), p.get("messages")) for p in prompts]
     except (InvalidRequestError, UnsupportedModelError) as e:
         raise click.ClickException(str(e)) from None

@@ -47,6 +47,19 @@ def test_generate_offline_json_matches_the_engine(model_dir, llm, tmp_path):
     assert "Paris" in records[1]["text"] and records[1]["finish_reason"] == "stop"
 
 
+def test_generate_offline_takes_the_kv_cache_dtype(model_dir, llm):
+    from cluster import LLM, SamplingParams
+
+    prompt, params = "Dear Sir,", SamplingParams(max_tokens=32, temperature=0)
+    result = run("generate", "--offline", "--model", model_dir, "--max-tokens", "32", "--temperature", "0",
+                 "--kv-cache-dtype", "bfloat16", "--json", prompt)
+    assert result.returncode == 0, result.stderr
+    bf16 = LLM(model_dir, num_blocks=16, kv_cache_dtype="bfloat16").generate(prompt, params)[0].outputs[0]
+    assert json.loads(result.stdout)["token_ids"] == bf16.token_ids
+    # this prompt's greedy answer parts from the fp32 cache's (at token 13): the option was taken
+    assert bf16.token_ids != llm.generate(prompt, params)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize(
     "content, args, message",
     [
