@@ -25,6 +25,7 @@ from cluster.bench.report import markdown_rows, save_rows
 from cluster.model_fetch import fetch_default_model
 from model import decode_stack
 from model.attention import PagedAttention
+from model.loader import dtype_name
 
 # (label, quantization, paged kernel, C++ layer stack); the attention share is timed around the
 # Python layers' attention calls, so the stack's rows have none.
@@ -118,7 +119,7 @@ def main() -> None:
         runner = llm.engine.executor
         if not kernel:
             runner.kernel_max_queries = 0
-        row = {"config": label, "kv_cache": str(runner.kv_dtype).removeprefix("torch."), "weights": runner.weight_formats,
+        row = {"config": label, "kv_cache": dtype_name(runner.kv_dtype), "weights": runner.weight_formats,
                "prefill_512_ms": round(prefill_ms(llm), 1)}
         for batch in batches:
             step, share, mixed = decode_profile(llm, batch, args.context)

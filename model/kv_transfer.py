@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from model.loader import dtype_name, parse_dtype
+
 
 @dataclass(slots=True)
 class KVPart:
@@ -70,7 +72,7 @@ class KVExporter:
         for index, tokens, blocks, offsets in self._step:
             gathered = layer_cache[:, blocks, :, offsets].cpu()  # [tokens, 2, heads, head_dim]
             data = to_numpy(gathered)
-            part = KVPart(layer, self._heads, tokens, data.nbytes, str(gathered.dtype).removeprefix("torch."), None)
+            part = KVPart(layer, self._heads, tokens, data.nbytes, dtype_name(gathered.dtype), None)
             self._pending.append((index, part, self._sender.submit(self._put, data)))
 
     def finish(self, num_seqs: int) -> list[list[KVPart]]:
@@ -91,7 +93,7 @@ def install(layer_caches: torch.Tensor, imp: KVImport, heads: tuple[int, int], b
               and p.tokens[0] < imp.stop and imp.start < p.tokens[1]]
     datas = get([p.data for p in wanted])
     for part, data in zip(wanted, datas):
-        data = from_numpy(data, getattr(torch, part.dtype))
+        data = from_numpy(data, parse_dtype(part.dtype))
         lo, hi = max(part.tokens[0], imp.start), min(part.tokens[1], imp.stop)
         h_lo, h_hi = max(part.heads[0], heads[0]), min(part.heads[1], heads[1])
         src = data[lo - part.tokens[0]: hi - part.tokens[0], :, h_lo - part.heads[0]: h_hi - part.heads[0]]

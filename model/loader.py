@@ -123,3 +123,8 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The inverse of parse_dtype: torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")

@@ -25,7 +25,7 @@ from model.cpu_ops import cpu_ops
 from model.decode_stack import build_decode_stack
 from model.kv_transfer import KVExporter, KVImport, KVPart, from_numpy, install, to_numpy, token_slots
 from model.llama import LlamaForCausalLM
-from model.loader import load_weights
+from model.loader import dtype_name, load_weights
 from model.multimodal import MultimodalSpec
 from model.quantization import check_mode
 from model.sampler import SamplingRow, TokenLogprobs, sample
@@ -158,7 +158,7 @@ class ModelRunner:
         return [{"rank": self.tp_rank, "pid": os.getpid(), "kv_heads": self.num_kv_heads, "num_blocks": self.num_blocks,
                  "max_model_len": self.max_model_len, "quantization": self.quantization,
                  "weight_formats": self.weight_formats, "amx_tiles": self._amx_tiles(),
-                 "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+                 "kv_cache_dtype": dtype_name(self.kv_dtype),
                  "attention": self._attention_path()}]
 
     def _amx_tiles(self) -> bool:

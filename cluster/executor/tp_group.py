@@ -61,10 +61,9 @@ class TPWorker:
 
 class TPGroup:
     def __init__(self, model_dir: str, tp_size: int, *, block_size: int, num_blocks: int | None, kv_cache_bytes: int,
-                 max_model_len: int | None, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None, device: str,
-                 quantization: str | None,
-                 cpus_per_worker: float = 0.5, torch_threads: int | None = None, collective: str = "auto",
-                 placement_strategy: str = "PACK"):
+                 max_model_len: int | None, dtype: torch.dtype, kv_cache_dtype: torch.dtype, device: str,
+                 quantization: str | None, cpus_per_worker: float = 0.5, torch_threads: int | None = None,
+                 collective: str = "auto", placement_strategy: str = "PACK"):
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -74,10 +73,10 @@ class TPGroup:
         # block differ, so the largest one sets the count.
         largest_kv = max(len(head_shard(c.num_attention_heads, c.num_key_value_heads, tp_size, r).kv_heads)
                          for r in range(tp_size))
-        kv_dtype = kv_cache_dtype or dtype
-        num_blocks = num_blocks or max(1, kv_cache_bytes // kv_bytes_per_block(c, largest_kv, block_size, kv_dtype))
+        bytes_per_block = kv_bytes_per_block(c, largest_kv, block_size, kv_cache_dtype)
+        num_blocks = num_blocks or max(1, kv_cache_bytes // bytes_per_block)
         runner_kwargs = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
-                         "dtype": dtype, "kv_cache_dtype": kv_dtype, "device": device, "quantization": quantization}
+                         "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "device": device, "quantization": quantization}
         if not ray.is_initialized():
             ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
         # On CUDA each rank gets a GPU of its own (Ray sets CUDA_VISIBLE_DEVICES: it is cuda:0 there).
@@ -100,7 +99,7 @@ class TPGroup:
         self.ranks = ray.get([w.describe.remote() for w in self.workers], timeout=600)
         self.num_blocks = num_blocks
         self.max_model_len = self.ranks[0]["max_model_len"]
-        self.bytes_per_block = kv_bytes_per_block(c, largest_kv, block_size, kv_dtype)
+        self.bytes_per_block = bytes_per_block
 
     def describe(self) -> list[dict]:
         return self.ranks
