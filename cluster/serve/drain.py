@@ -1,15 +1,19 @@
 """Graceful drain: stop admitting, let in-flight requests finish within a grace period, then end
 the rest with an explicit error, never a silent cut.
 
-    pagoda serve gets SIGTERM/SIGINT ─> DrainSignal.start(timeout) ─┐   (a named actor)
-                                                                     ▼
-    Ingress / LLMServer replicas: a DrainWatcher thread reports the replica's in-flight count
-    every second (every 0.25 s once draining) and learns the deadline: from then on new requests
-    get 503 / UNAVAILABLE with Retry-After; at the deadline the LLMServer fails what still runs
+    pagoda serve gets SIGTERM/SIGINT ─> the drain's deadline, written to the GCS's key-value store
+                                                                     │   (namespace "pagoda-drain")
+    Ingress / LLMServer replicas: a DrainWatcher thread reads the deadline and writes the replica's
+    in-flight count every second (every 0.25 s once draining): from then on new requests get 503 /
+    UNAVAILABLE with Retry-After; at the deadline the LLMServer fails what still runs
     (ServerDrainingError).
-                                                                     │
+                                                                     ▼
     the CLI waits until every replica reports nothing in flight (or the deadline), then stops
     Serve (each LLMServer moves its prefix cache down to the tiers) and the Ray cluster.
+
+The state lives in the GCS rather than in an actor of its own: every Ray worker process wakes
+~150 times a second even when idle, and on a node the engine shares with the cluster each wakeup
+slows its step (docs/benchmarks.md, the idle cluster's cost).
 
 Serve stopping a replica on its own (scale-down, redeploy) is the same story told by Serve:
 it routes nothing more to the replica and waits `graceful_shutdown_timeout_s` (the drain
@@ -18,16 +22,20 @@ timeout) for its requests; then LLMServer.shutdown fails what is left with Serve
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from typing import Callable
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
 
 logger = logging.getLogger("pagoda.drain")
 
-ACTOR_NAME, ACTOR_NAMESPACE = "pagoda-drain", "pagoda"
+KV_NAMESPACE = "pagoda-drain"
+DEADLINE_KEY = "deadline"  # wall-clock time; absent: not draining
+REPORT_PREFIX = "report/"  # + the replica's name: its Report
 REPORT_INTERVAL_S = 0.25  # while draining: the CLI stops as soon as the last request ends
-IDLE_REPORT_INTERVAL_S = 1.0  # otherwise: the drain is noticed within a second, at a quarter of the calls
+IDLE_REPORT_INTERVAL_S = 1.0  # otherwise: the drain is noticed within a second
 # A replica silent this long is gone (Serve replaced or stopped it): the drain stops counting it.
 GONE_AFTER_S = 5.0
 
@@ -36,30 +44,52 @@ class ServerDrainingError(RuntimeError):
     """The server is shutting down (503 / UNAVAILABLE with Retry-After): retry on another."""
 
 
-class DrainSignal:
-    """The cluster-wide drain state (a named Ray actor, started by `pagoda serve`)."""
+@dataclass(frozen=True)
+class Report:
+    """What a replica last said: its requests in flight, when (wall clock), and whether it knew
+    of the drain then (from then on it admits nothing, so its count only falls)."""
 
-    def __init__(self):
-        self.deadline: float | None = None  # wall-clock time; None: not draining
-        self.reports: dict[str, tuple[int, float]] = {}  # replica -> (in flight, when reported)
-        self.reported_since_start: set[str] = set()
+    in_flight: int
+    at: float
+    knew_deadline: bool
 
-    def start(self, timeout_s: float) -> None:
-        self.deadline = time.time() + timeout_s
-        self.reported_since_start.clear()
 
-    def report(self, replica: str, num_in_flight: int) -> float | None:
-        self.reports[replica] = (num_in_flight, time.monotonic())
-        if self.deadline is not None:
-            self.reported_since_start.add(replica)
-        return self.deadline
+def count_in_flight(reports: Iterable[Report], now: float) -> tuple[int, int]:
+    """(requests in flight, replicas that have not heard of the drain yet), over the replicas
+    that reported lately."""
+    live = [report for report in reports if now - report.at < GONE_AFTER_S]
+    return sum(report.in_flight for report in live), sum(not report.knew_deadline for report in live)
 
-    def num_in_flight(self) -> tuple[int, int]:
-        """(requests in flight, replicas that have not heard of the drain yet), over the
-        replicas that reported lately."""
-        now = time.monotonic()
-        live = {r: count for r, (count, at) in self.reports.items() if now - at < GONE_AFTER_S}
-        return sum(live.values()), len(set(live) - self.reported_since_start)
+
+def _kv():
+    from ray.experimental import internal_kv
+
+    return internal_kv
+
+
+def read_deadline() -> float | None:
+    value = _kv()._internal_kv_get(DEADLINE_KEY, namespace=KV_NAMESPACE)
+    return None if value is None else float(value)
+
+
+def write_report(replica: str, report: Report) -> None:
+    _kv()._internal_kv_put(REPORT_PREFIX + replica, json.dumps(asdict(report)), namespace=KV_NAMESPACE)
+
+
+def read_reports() -> list[Report]:
+    kv, reports = _kv(), []
+    for key in kv._internal_kv_list(REPORT_PREFIX, namespace=KV_NAMESPACE):
+        value = kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+        if value is not None:  # the replica stopped between the two calls
+            reports.append(Report(**json.loads(value)))
+    return reports
+
+
+def reset() -> None:
+    """Forget a drain of an earlier server on this cluster (its deadline would refuse everything)."""
+    kv = _kv()
+    for key in [DEADLINE_KEY.encode(), *kv._internal_kv_list(REPORT_PREFIX, namespace=KV_NAMESPACE)]:
+        kv._internal_kv_del(key, namespace=KV_NAMESPACE)
 
 
 def replica_name(fallback: object) -> str:
@@ -74,26 +104,14 @@ def replica_name(fallback: object) -> str:
         return f"{os.getpid()}-{id(fallback)}"
 
 
-def start_drain_signal():
-    """The DrainSignal actor of this cluster (started when missing). The caller owns it: it
-    lives as long as the returned handle."""
-    import ray
-
-    return ray.remote(DrainSignal).options(name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, num_cpus=0,
-                                           get_if_exists=True).remote()
-
-
-def drain(signal, timeout_s: float, log=logger.info) -> bool:
-    """Start the drain (`signal`: the DrainSignal actor) and wait until nothing is in flight or
-    the deadline (plus a moment for the replicas to end what was left) has passed. Returns
-    whether everything finished in time."""
-    import ray
-
-    ray.get(signal.start.remote(timeout_s))
+def drain(timeout_s: float, log=logger.info) -> bool:
+    """Start the drain and wait until nothing is in flight or the deadline (plus a moment for
+    the replicas to end what was left) has passed. Returns whether everything finished in time."""
+    _kv()._internal_kv_put(DEADLINE_KEY, str(time.time() + timeout_s), namespace=KV_NAMESPACE)
     deadline = time.monotonic() + timeout_s
     log(f"draining: new requests are refused, {timeout_s:.0f} s for the ones in flight")
     while time.monotonic() < deadline + IDLE_REPORT_INTERVAL_S + REPORT_INTERVAL_S + 1:
-        num_in_flight, unaware = ray.get(signal.num_in_flight.remote())
+        num_in_flight, unaware = count_in_flight(read_reports(), time.time())
         if num_in_flight == 0 and unaware == 0:
             return time.monotonic() <= deadline
         time.sleep(REPORT_INTERVAL_S)
@@ -101,8 +119,7 @@ def drain(signal, timeout_s: float, log=logger.info) -> bool:
 
 
 class DrainWatcher:
-    """A replica's side: a thread that reports `num_in_flight()` and learns the deadline. Where
-    no DrainSignal exists (Serve run by other tools, KubeRay) it looks again now and then."""
+    """A replica's side: a thread that learns the deadline and reports `num_in_flight()`."""
 
     def __init__(self, replica: str, num_in_flight: Callable[[], int], on_deadline: Callable[[], None] | None = None):
         self.replica = replica
@@ -129,20 +146,23 @@ class DrainWatcher:
 
         if not ray.is_initialized():  # a server built outside a Ray cluster (tests): nothing to watch
             return
-        signal, fired = None, False
+        fired = failing = False
         while not self._stopped.is_set():
-            if signal is None:
-                try:
-                    signal = ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE)
-                except ValueError:  # no `pagoda serve` here: nothing to watch for now
-                    self._stopped.wait(5.0)
-                    continue
             try:
-                self.deadline = ray.get(signal.report.remote(self.replica, self._num_in_flight()), timeout=5)
-            except Exception:  # noqa: BLE001 - the actor went away (its driver stopped): look again
-                signal = None
-                continue
+                # The deadline first: once it is known nothing more is admitted, so the count
+                # reported after it only falls.
+                self.deadline = read_deadline()
+                write_report(self.replica, Report(self._num_in_flight(), time.time(), self.deadline is not None))
+                failing = False
+            except Exception:  # noqa: BLE001 - the GCS unreachable for a moment: look again
+                if not failing:
+                    logger.warning("cannot reach the GCS for the drain's state; retrying", exc_info=True)
+                failing = True
             if self.deadline is not None and not fired and time.time() >= self.deadline and self._on_deadline:
                 fired = True
                 self._on_deadline()
             self._stopped.wait(REPORT_INTERVAL_S if self.draining else IDLE_REPORT_INTERVAL_S)
+        try:
+            _kv()._internal_kv_del(REPORT_PREFIX + self.replica, namespace=KV_NAMESPACE)
+        except Exception:  # noqa: BLE001 - the cluster going down: the report ages out
+            pass

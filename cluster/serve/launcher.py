@@ -38,7 +38,6 @@ HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 #   autoscaling delays are timed, not counted in loops, so they mean the same.
 SERVE_ENV_DEFAULTS = {PUSH_INTERVAL_ENV: "2", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
                       "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
-_drain_signal = None  # the DrainSignal actor lives as long as this handle (owned by this driver)
 _front_door: FrontDoor | None = None
 
 
@@ -85,8 +84,8 @@ def start(
             )
             # This cluster cannot grow: a shape that does not fit it fails now, not after Serve's retries.
             check_fit(config, prefill_engine, decode_engine, cluster_nodes())
-    global _drain_signal, _front_door
-    _drain_signal = drain_module.start_drain_signal()  # before the replicas: each finds it at its first look
+    global _front_door
+    drain_module.reset()  # before the replicas look: an earlier server's drain on this cluster is over
     serve_http_port = http_port
     if config.front_door:  # HAProxy takes the HTTP port; Serve's proxy listens behind it
         serve_http_port = free_port()
@@ -142,17 +141,16 @@ def drain(timeout_s: float, log=print) -> bool:
     end the rest with an error. Returns whether all finished in time."""
     import ray
 
-    if not ray.is_initialized() or _drain_signal is None:
+    if not ray.is_initialized():
         return True
-    return drain_module.drain(_drain_signal, timeout_s, log)
+    return drain_module.drain(timeout_s, log)
 
 
 def stop() -> None:
     import ray
     from ray import serve
 
-    global _drain_signal, _front_door
-    _drain_signal = None
+    global _front_door
     try:
         if ray.is_initialized():
             try:

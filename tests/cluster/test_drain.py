@@ -150,14 +150,36 @@ def test_sigterm_finishes_short_streams_ends_long_ones_with_an_error_refuses_new
 
 
 def test_the_drain_counts_replicas_that_report_and_forgets_those_gone_quiet():
-    from cluster.serve.drain import DrainSignal
+    from cluster.serve.drain import GONE_AFTER_S, Report, count_in_flight
 
-    signal = DrainSignal()
-    signal.report("a", 2)
-    signal.report("b", 0)
-    signal.start(30)
-    assert signal.num_in_flight() == (2, 2)  # neither has heard of the drain yet
-    signal.report("a", 1)
-    assert signal.num_in_flight() == (1, 1)
-    signal.reports["b"] = (0, time.monotonic() - 10)  # b stopped reporting: Serve replaced it
-    assert signal.num_in_flight() == (1, 0)
+    now = 1_000.0
+    before_the_drain = [Report(2, now, False), Report(0, now, False)]
+    assert count_in_flight(before_the_drain, now) == (2, 2)  # neither has heard of the drain yet
+    a_heard = [Report(1, now + 1, True), Report(0, now, False)]
+    assert count_in_flight(a_heard, now + 1) == (1, 1)
+    b_gone_quiet = [Report(1, now + GONE_AFTER_S, True), Report(0, now, False)]  # Serve replaced b
+    assert count_in_flight(b_gone_quiet, now + GONE_AFTER_S) == (1, 0)
+
+
+def test_replicas_report_to_the_gcs_and_a_new_server_forgets_an_earlier_drain(server):
+    from cluster.serve import drain
+
+    def live_reports():
+        return [r for r in drain.read_reports() if time.time() - r.at < drain.GONE_AFTER_S]
+
+    deadline = time.monotonic() + 10
+    while len(live_reports()) < 2 and time.monotonic() < deadline:  # the Ingress and the LLMServer
+        time.sleep(0.2)
+    assert len(live_reports()) >= 2 and drain.read_deadline() is None
+    assert drain.count_in_flight(drain.read_reports(), time.time()) == (0, len(live_reports()))
+
+    # An earlier server's drain left on the cluster (far off: nothing here fails at it).
+    from ray.experimental import internal_kv
+    internal_kv._internal_kv_put(drain.DEADLINE_KEY, str(time.time() + 3600), namespace=drain.KV_NAMESPACE)
+    drain.reset()
+    assert drain.read_deadline() is None
+    deadline = time.monotonic() + 10
+    while any(r.knew_deadline for r in live_reports()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(r.knew_deadline for r in live_reports())  # as before, within a report or two
+    assert requests.get(f"{server['http']}/health", timeout=30).status_code == 200
