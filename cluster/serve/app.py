@@ -5,6 +5,8 @@
     engine_in_ingress:    Ingress (its own LLMServer in its process; no LLMServer deployment)
     multimodal models, engine.encoder: deployment:
                           Ingress -> EncoderServer (media -> embeddings), then -> LLMServer ...
+    tenants' ledger:      a TenantLedger deployment where the Ingress may have several replicas;
+                          otherwise the one Ingress replica's own (no TenantLedger deployment)
 
     serve run cluster.serve.app:build_app model=/path/to/model
     serve run serve_config.yaml          # the same builder, args from the YAML
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
 from cluster.serve.circuit_breaker import CircuitBreakerConfig
-from cluster.serve.in_process import InProcessServer
+from cluster.serve.in_process import InProcess
 from cluster.serve.ingress import Ingress
 from cluster.serve.ledger import TenantLedger
 from cluster.serve.limits import InputLimits
@@ -47,7 +49,8 @@ SERVER_DEFAULTS = {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus
 INGRESS_DEFAULTS = {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 0}}
 ENCODER_DEFAULTS = {"max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": 1}}
 # The ledger is one replica by design (the tenants' state in one place); each ingress replica keeps
-# one long poll open on it, and each request makes two short calls.
+# one long poll open on it, and each request makes two short calls. With one ingress replica the
+# ledger lives in that replica instead.
 LEDGER_OPTIONS = {"num_replicas": 1, "max_ongoing_requests": 100_000, "ray_actor_options": {"num_cpus": 0}}
 
 
@@ -152,7 +155,7 @@ class AppConfig(BaseModel):
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig,
                                                   description="per backend, in each ingress replica")
     usage_log: str | None = Field(None, description="append-only JSON lines, one per request that ended, on the "
-                                  "TenantLedger's node (`pagoda usage FILE` sums them per tenant); none: no log")
+                                  "ledger's node (the Ingress's where it has one replica) (`pagoda usage FILE` sums them per tenant); none: no log")
 
     @model_validator(mode="before")
     @classmethod
@@ -228,7 +231,7 @@ def build_app(args: dict | None = None):
             engine_config=prefill_engine,
             **{**common, "torch_threads": config.prefill_torch_threads or config.torch_threads})
     if config.engine_in_ingress:  # the Ingress replicas are the engines: they drain and scale as servers do
-        llm_server = InProcessServer({"engine_config": decode_engine, **common})
+        llm_server = InProcess(LLMServer, {"engine_config": decode_engine, **common})
         ingress_options = {**drain, **config.ingress_options.autoscaled_by_engine("decode", decode_engine)}
     else:
         ingress_options = {"graceful_shutdown_timeout_s": config.drain_timeout_s + 10, **config.ingress.as_kwargs()}
@@ -238,8 +241,11 @@ def build_app(args: dict | None = None):
         llm_server = serve.deployment(LLMServer, name="LLMServer", **decode_options).bind(
             engine_config=decode_engine, prefill_server=prefill_server, **common)
     tenants = load_keys_file(config.api_keys_file) if config.api_keys_file else None
-    ledger = serve.deployment(TenantLedger, name="TenantLedger", **LEDGER_OPTIONS).bind(
-        tenants=tenants, usage_log=config.usage_log)
+    ledger_args = {"tenants": tenants, "usage_log": config.usage_log}
+    if config.ingress_options.max_replicas == 1:  # the one Ingress replica keeps the ledger (in_process.py)
+        ledger = InProcess(TenantLedger, ledger_args)
+    else:
+        ledger = serve.deployment(TenantLedger, name="TenantLedger", **LEDGER_OPTIONS).bind(**ledger_args)
     ingress_cls = serve.ingress()(Ingress)  # the HTTP app: Ingress.__serve_build_asgi_app__
     return serve.deployment(ingress_cls, name="Ingress", **ingress_options).bind(
         llm_server, ledger, limits=config.limits.model_dump(), max_pending_requests=max_pending_requests(config),

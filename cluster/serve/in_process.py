@@ -1,4 +1,6 @@
-"""The engine in the Ingress replica's own process (`engine_in_ingress: true` in the app config).
+"""Objects that the Ingress replica builds in its own process in place of another deployment's
+replicas: the engine (`engine_in_ingress: true` in the app config), and the TenantLedger where
+there is one Ingress replica.
 
     default:            client -> Ingress replica --Ray call per message--> LLMServer replica (engine)
     engine_in_ingress:  client -> Ingress replica (its own LLMServer, called in process)
@@ -9,6 +11,10 @@ of the engine's step: 1-2 ms of a 7-13 ms token at one stream on 2 cores (docs/b
 With the option each Ingress replica builds its own LLMServer, and the Ingress calls it through
 LocalHandle, which offers the part of a DeploymentHandle the Ingress uses. The Ingress deployment
 then scales as the LLMServer deployment would (its replicas are the engines).
+
+The TenantLedger keeps the tenants' running requests and charges in one place: a deployment of
+its own where several Ingress replicas share it, the Ingress's own object where there is one
+(two Ray calls a request, and one process waking ~150 times a second even when idle, fewer).
 """
 
 from __future__ import annotations
@@ -22,16 +28,15 @@ from ray.serve.exceptions import RequestCancelledError
 
 
 @dataclass(frozen=True)
-class InProcessServer:
-    """What build_app hands the Ingress in place of a handle to the LLMServer deployment: that
-    server's arguments; the Ingress replica builds the server itself (`build`)."""
+class InProcess:
+    """What build_app hands the Ingress in place of a handle to a deployment: that deployment's
+    class and arguments; the Ingress replica builds the object itself (`build`)."""
 
+    cls: type
     kwargs: dict[str, Any]
 
     def build(self):
-        from cluster.serve.llm_server import LLMServer
-
-        return LLMServer(**self.kwargs)
+        return self.cls(**self.kwargs)
 
 
 class LocalHandle:

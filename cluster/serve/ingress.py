@@ -54,7 +54,7 @@ from cluster.serve.errors import (
 from cluster.serve.circuit_breaker import CircuitBreaker, CircuitBreakerConfig, CircuitOpenError
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.front_door import FrontDoorFlag
-from cluster.serve.in_process import InProcessServer, LocalHandle
+from cluster.serve.in_process import InProcess, LocalHandle
 from cluster.serve.ledger import Admission, RequestMeter, RequestSize
 from cluster.serve.limits import InputLimits
 from cluster.serve.llm_server import GenerationRequest
@@ -193,7 +193,7 @@ class Ingress:
                  tenants: TenantsFile | None = None, circuit_breaker: dict | None = None,
                  cors_allowed_origins: list[str] | None = None):
         # The LLMServer in this process (engine_in_ingress, cluster/serve/in_process.py), or None
-        self._server = llm_server.build() if isinstance(llm_server, InProcessServer) else None
+        self._server = llm_server.build() if isinstance(llm_server, InProcess) else None
         if self._server is not None:
             llm_server = LocalHandle(self._server)
             # Serve looks these up on the replica's object: this replica's health is its engine's,
@@ -203,9 +203,9 @@ class Ingress:
             self.record_autoscaling_stats = self._server.record_autoscaling_stats
         self.llm = llm_server  # DeploymentHandle to LLMServer, or LocalHandle to the one above
         self.cors_allowed_origins = list(cors_allowed_origins or [])  # browsers' origins allowed to call
-        # DeploymentHandle to the TenantLedger: admission under the tenants' limits, usage,
-        # cancellation by id (cluster/serve/ledger.py)
-        self.ledger = ledger
+        # The TenantLedger: admission under the tenants' limits, usage, cancellation by id
+        # (cluster/serve/ledger.py). A DeploymentHandle, or LocalHandle to this replica's own.
+        self.ledger = LocalHandle(ledger.build()) if isinstance(ledger, InProcess) else ledger
         # tenants and their keys' SHA-256 digests (cluster/serve/tenants.py); None: an open server
         self._keys = KeyRing(tenants.tenants) if tenants else None
         self._prices = tenants.compute_units if tenants else ComputeUnitPrices()

@@ -59,3 +59,20 @@ def test_the_configs_own_policy_targets_win_and_another_policy_is_left_alone():
 def test_a_fixed_count_has_no_autoscaling():
     config = parse_app_config({"llm_server": {"num_replicas": 2}})
     assert "autoscaling_config" not in config.llm_server.autoscaled_by_engine("decode", {"model": "m"})
+
+
+@pytest.mark.parametrize("ingress, in_process", [
+    ({}, True),
+    ({"num_replicas": 2}, False),
+    ({"num_replicas": "auto", "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}, False),
+])
+def test_one_ingress_replica_keeps_the_ledger_several_share_a_deployment(model_dir, ingress, in_process):
+    from cluster.serve.app import build_app
+    from cluster.serve.in_process import InProcess
+    from cluster.serve.ledger import TenantLedger
+
+    _, ledger = build_app({"model": model_dir, "ingress": ingress, "usage_log": "/tmp/u.jsonl"})._bound_deployment.init_args
+    if in_process:
+        assert ledger == InProcess(TenantLedger, {"tenants": None, "usage_log": "/tmp/u.jsonl"})
+    else:
+        assert ledger._bound_deployment.name == "TenantLedger"

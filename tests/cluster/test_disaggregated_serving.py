@@ -157,7 +157,7 @@ def test_disaggregated_prefill_tp2_decode_tp1_matches_hf(server_with_model, refe
     assert (decode["role"], decode["tensor_parallel_size"], len(decode["ranks"])) == ("decode", 1, 1)
     assert decode["ranks"][0]["kv_heads"] == 3 and decode["ranks"][0]["pid"] == decode["replica_pid"]
     assert all_blocks_free(prefill) and all_blocks_free(decode)
-    assert set(report["deployments"]) == {"Ingress", "PrefillServer", "LLMServer", "TenantLedger"}
+    assert set(report["deployments"]) == {"Ingress", "PrefillServer", "LLMServer"}  # the one Ingress keeps the ledger
 
 
 def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_opens_the_breaker_and_serve_recovers(server_with_model):

@@ -17,7 +17,7 @@ from ray.serve.exceptions import RequestCancelledError
 
 from cluster.serve.app import build_app, max_pending_requests, parse_app_config
 from cluster.serve.autoscaling import POLICY_FUNCTION
-from cluster.serve.in_process import InProcessServer, LocalHandle
+from cluster.serve.in_process import InProcess, LocalHandle
 from cluster.serve.placement import app_demands
 from tests.cluster.test_disaggregated_serving import deployed
 from tests.parity_prompts import CHAT_QUESTIONS
@@ -123,8 +123,8 @@ def test_the_ingress_takes_the_servers_options_and_there_is_no_llm_server(model_
     ingress = build_app(args)._bound_deployment
     assert ingress.name == "Ingress"
     server, ledger = ingress.init_args
-    assert isinstance(server, InProcessServer) and server.kwargs["engine_config"]["model"] == model_dir
-    assert ledger._bound_deployment.name == "TenantLedger"  # and no LLMServer deployment is bound
+    assert isinstance(server, InProcess) and server.kwargs["engine_config"]["model"] == model_dir
+    assert ledger._bound_deployment.name == "TenantLedger"  # up to 3 replicas share it; no LLMServer deployment
     autoscaling = ingress._deployment_config.autoscaling_config
     assert autoscaling.policy.policy_function == POLICY_FUNCTION
     assert autoscaling.policy.policy_kwargs["role"] == "decode" and autoscaling.max_replicas == 3
@@ -147,7 +147,7 @@ def one_process_app(server, model_dir):
 def test_it_answers_as_the_offline_engine_over_http_and_grpc(one_process_app, offline_answers, server):
     from ray import serve
 
-    assert set(serve.status().applications["one-process"].deployments) == {"Ingress", "TenantLedger"}
+    assert set(serve.status().applications["one-process"].deployments) == {"Ingress"}  # its engine and ledger in it
     text, token_ids, _ = collect(one_process_app["stub"].Generate(
         chat_request(CHAT_QUESTIONS[0]), metadata=one_process_app["metadata"]))
     assert text == offline_answers[0].text and token_ids == offline_answers[0].token_ids
