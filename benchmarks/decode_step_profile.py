@@ -63,7 +63,8 @@ def decode_profile(llm: LLM, batch: int, context: int, steps: int = 12) -> tuple
     batch at ~context tokens; a mixed step is the same batch plus a new 128-token prompt's prefill
     (what a server runs whenever a request arrives while others decode)."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+    # Enough tokens for the steps timed here, and within the context that --batches 1 leaves.
+    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
     ids = [f"d{batch}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
         engine.add_request(request_id, [1000 + (i * 7 + j) % 30000 for j in range(context)], params)
