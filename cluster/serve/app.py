@@ -155,7 +155,8 @@ class AppConfig(BaseModel):
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig,
                                                   description="per backend, in each ingress replica")
     usage_log: str | None = Field(None, description="append-only JSON lines, one per request that ended, on the "
-                                  "ledger's node (the Ingress's where it has one replica) (`pagoda usage FILE` sums them per tenant); none: no log")
+                                  "ledger's node (with one Ingress replica, that replica's); `pagoda usage FILE` sums "
+                                  "them per tenant; none: no log")
 
     @model_validator(mode="before")
     @classmethod
