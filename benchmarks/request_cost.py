@@ -9,22 +9,35 @@ ingress, admission, the hops to the engine and back), which every TTFT pays.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
+from typing import Callable
 
 import requests
 
 from cluster import LLM, SamplingParams
+from cluster.bench.metrics import percentile
 from cluster.model_fetch import fetch_default_model
 from cluster.ports import free_port
 from cluster.serve import launcher
 
 PROMPT = "Hello there"
+WARMUP = 20  # calls before the timed ones
+
+
+def timed_calls(call: Callable[[], object], count: int) -> list[float]:
+    """ms of each of `count` calls, after WARMUP untimed ones."""
+    for _ in range(WARMUP):
+        call()
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def percentiles(ms: list[float]) -> str:
-    ms = sorted(ms)
-    return f"p50 {statistics.median(ms):.2f} ms, p10 {ms[len(ms) // 10]:.2f}, p90 {ms[9 * len(ms) // 10]:.2f}"
+    return f"p50 {percentile(ms, 50):.2f} ms, p10 {percentile(ms, 10):.2f}, p90 {percentile(ms, 90):.2f}"
 
 
 def served(model_dir: str, count: int, engine_in_ingress: bool) -> list[float]:
@@ -33,13 +46,7 @@ def served(model_dir: str, count: int, engine_in_ingress: bool) -> list[float]:
     try:
         session = requests.Session()
         url, body = f"http://127.0.0.1:{http_port}/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
-        times = []
-        for i in range(count + 20):  # the first 20 warm up
-            start = time.perf_counter()
-            session.post(url, json=body, timeout=60).raise_for_status()
-            if i >= 20:
-                times.append((time.perf_counter() - start) * 1e3)
-        return times
+        return timed_calls(lambda: session.post(url, json=body, timeout=60).raise_for_status(), count)
     finally:
         launcher.stop()
 
@@ -47,13 +54,7 @@ def served(model_dir: str, count: int, engine_in_ingress: bool) -> list[float]:
 def in_process(model_dir: str, count: int) -> list[float]:
     llm = LLM(model_dir)
     params = SamplingParams(max_tokens=1, temperature=0)
-    times = []
-    for i in range(count + 20):
-        start = time.perf_counter()
-        llm.generate([PROMPT], params)
-        if i >= 20:
-            times.append((time.perf_counter() - start) * 1e3)
-    return times
+    return timed_calls(lambda: llm.generate([PROMPT], params), count)
 
 
 def main() -> None:
@@ -67,7 +68,7 @@ def main() -> None:
     engine_ms = in_process(model_dir, args.requests)
     print(f"served over HTTP ({shape}): {percentiles(served_ms)}")
     print(f"engine in process:  {percentiles(engine_ms)}")
-    print(f"the path's cost per request, p50: {statistics.median(served_ms) - statistics.median(engine_ms):.2f} ms")
+    print(f"the path's cost per request, p50: {percentile(served_ms, 50) - percentile(engine_ms, 50):.2f} ms")
 
 
 if __name__ == "__main__":

@@ -54,10 +54,15 @@ class Report:
     knew_deadline: bool
 
 
+def live_reports(reports: Iterable[Report], now: float) -> list[Report]:
+    """The reports of replicas that reported lately (the others are gone)."""
+    return [report for report in reports if now - report.at < GONE_AFTER_S]
+
+
 def count_in_flight(reports: Iterable[Report], now: float) -> tuple[int, int]:
     """(requests in flight, replicas that have not heard of the drain yet), over the replicas
     that reported lately."""
-    live = [report for report in reports if now - report.at < GONE_AFTER_S]
+    live = live_reports(reports, now)
     return sum(report.in_flight for report in live), sum(not report.knew_deadline for report in live)
 
 

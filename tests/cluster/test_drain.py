@@ -165,7 +165,7 @@ def test_replicas_report_to_the_gcs_and_a_new_server_forgets_an_earlier_drain(se
     from cluster.serve import drain
 
     def live_reports():
-        return [r for r in drain.read_reports() if time.time() - r.at < drain.GONE_AFTER_S]
+        return drain.live_reports(drain.read_reports(), time.time())
 
     deadline = time.monotonic() + 10
     while len(live_reports()) < 2 and time.monotonic() < deadline:  # the Ingress and the LLMServer
