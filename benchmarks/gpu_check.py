@@ -5,15 +5,19 @@
 1. parity: greedy answers to the parity prompts (tests/parity_prompts.py, 24 tokens each), HF
    transformers on the GPU vs Pagoda's engine on the GPU, token for token (near-ties allowed as
    in the CPU tests);
-2. step time: Pagoda decode steps at batch 1, 32 and 128, CUDA-synchronized: fp32 and bf16 on
-   the torch attention path (gathered blocks), and bf16 on FlashInfer's paged kernels where
-   flashinfer-python is installed (model/attention_flashinfer.py), each with the path it took;
-3. attention: the parity prompts' greedy answers in bf16, FlashInfer vs the torch path (bf16
-   rounding may part them at a near-tie; the count of equal answers is reported);
+2. step time: Pagoda decode steps at batch 1, 32 and 128 (128-token prompts) and at batch 32
+   with 2,048 tokens of context, CUDA-synchronized: fp32 and bf16 on the torch attention path
+   (gathered blocks), and bf16 on FlashInfer's paged kernels where flashinfer-python is
+   installed (model/attention_flashinfer.py), each with the path it took; HF transformers'
+   static-batch decode at the same batches as the peer;
+3. attention: the parity prompts' greedy answers in bf16 on FlashInfer and on the torch path,
+   each against HF transformers in bf16, with the output token and HF's top-2 logit gap where
+   one parts from HF (bf16 rounding parts answers at near-ties);
 4. TP=2 over NCCL (two Ray worker actors, one GPU each) when the machine has two GPUs and Ray:
    its greedy answers equal TP=1's. Skipped, and said so, otherwise.
 
-Prints one JSON object (and writes it to --out). The default model is dequantized from the GGUF
+Prints one JSON object and writes it to --out after each section, so a run cut short keeps what it
+measured; a section that fails records its error and the next one runs. The default model is dequantized from the GGUF
 into $PAGODA_HOME (a temporary one if unset).
 """
 
@@ -25,6 +29,7 @@ import os
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from unittest import mock
 
@@ -53,16 +58,28 @@ def main() -> None:
     model_dir = str(fetch_default_model(log=lambda m: None, gguf_path=args.gguf))
     report["model_prepare_s"] = round(time.perf_counter() - t0, 1)
 
-    report["parity"] = parity(model_dir, 3 if args.quick else None)
     batches = (1, 4) if args.quick else (1, 32, 128)
-    report["decode_step_ms"] = step_times(model_dir, batches)
-    report["flashinfer_vs_torch_bf16"] = attention_paths_agree(model_dir, 3 if args.quick else None)
-    report["hf_decode"] = hf_decode_rates(model_dir, batches)
-    report["tp2_nccl"] = tp2(model_dir, report["gpus"])
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    # 128-token prompts at each batch, and one long context, where gathering blocks costs most
+    cases = tuple((batch, 128) for batch in batches) + (((4, 512),) if args.quick else ((32, 2048),))
+    num_prompts = 3 if args.quick else None
+    sections = {
+        "parity": lambda: parity(model_dir, num_prompts),
+        "decode_step_ms": lambda: step_times(model_dir, cases, flashinfer=False),
+        "hf_decode": lambda: hf_decode_rates(model_dir, cases),
+        "decode_step_ms_flashinfer": lambda: step_times(model_dir, cases, flashinfer=True),
+        "flashinfer_vs_torch_bf16": lambda: attention_paths_agree(model_dir, num_prompts),
+        "tp2_nccl": lambda: tp2(model_dir, report["gpus"]),
+    }
+    for name, section in sections.items():  # each one's result (or error) is kept as it comes
+        t0 = time.perf_counter()
+        try:
+            report[name] = section()
+        except Exception as e:  # a later section can still run; the report says what broke
+            report[name] = {"error": f"{type(e).__name__}: {e}", "at": traceback.format_exc(limit=-3)}
+        report.setdefault("section_s", {})[name] = round(time.perf_counter() - t0, 1)
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
 
 
 DEVICE = "cuda"
@@ -125,61 +142,87 @@ def _attention(llm) -> str:
 
 
 def attention_paths_agree(model_dir: str, num_prompts: int | None) -> dict:
+    """bf16: the parity prompts' greedy answers on the torch path and on FlashInfer, each against HF
+    transformers in bf16. Where one parts from HF: at which output token, and HF's top-2 logit gap
+    there (bf16 rounding parts answers only where that gap is small)."""
+    from transformers import AutoModelForCausalLM
+
     from cluster import LLM, SamplingParams
 
-    answers, paths = [], []
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    answers, result, references = [], {}, None
     for flashinfer in (False, True):
         with attention_path(flashinfer):
             llm = LLM(model_dir, device=DEVICE, dtype="bfloat16", num_blocks=2048)
         prompts = _parity_prompt_ids(llm, num_prompts)
-        answers.append([o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))])
-        paths.append(_attention(llm))
+        references = references or [_hf_greedy(hf, ids, 24) for ids in prompts]
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))]
+        partings = [_parting(ours, ref) for ours, ref in zip(outputs, references)]
+        result["flashinfer" if flashinfer else "torch"] = {
+            "attention": _attention(llm), "equal_to_hf_bf16": partings.count(None),
+            "parted_at_token_with_hf_gap": [p for p in partings if p]}
+        answers.append(outputs)
         del llm
-    return {"paths": paths, "prompts": len(answers[0]), "equal": sum(a == b for a, b in zip(*answers))}
+    del hf
+    return {"prompts": len(answers[0]), "paths_equal": sum(a == b for a, b in zip(*answers)), **result}
 
 
-def step_times(model_dir: str, batches: tuple[int, ...]) -> dict:
+def _parting(ours: list[int], ref) -> tuple[int, float] | None:
+    """(output token, HF's top-2 gap there) where ours first differs from HF's; None if equal."""
+    for step, (a, b) in enumerate(zip(ours, ref.token_ids)):
+        if a != b:
+            return step, round(ref.top2_gaps[step], 4)
+    return None
+
+
+def step_times(model_dir: str, cases: tuple[tuple[int, int], ...], flashinfer: bool) -> dict:
+    """Decode step time for each (batch, prompt tokens) case, CUDA-synchronized."""
     from cluster import LLM, SamplingParams
 
+    steps, block_size = 30, 16
+    num_blocks = max(batch * -(-(prompt_len + steps + 2) // block_size) for batch, prompt_len in cases) + 64
     results = {}
-    for dtype, flashinfer in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
+    for dtype in ("bfloat16",) if flashinfer else ("float32", "bfloat16"):
         with attention_path(flashinfer):
-            llm = LLM(model_dir, device=DEVICE, dtype=dtype, num_blocks=4096, max_num_seqs=128)
+            llm = LLM(model_dir, device=DEVICE, dtype=dtype, num_blocks=num_blocks, block_size=block_size,
+                      max_num_seqs=max(batch for batch, _ in cases))
         path = _attention(llm)
         engine = llm.engine
-        for batch in batches:
-            params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
-            for i in range(batch):
-                engine.add_request(f"b{batch}-{i}", list(range(100 + i, 228 + i)), params)  # 128-token prompts
+        for batch, prompt_len in cases:
+            params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+            ids = [f"b{batch}-{prompt_len}-{i}" for i in range(batch)]
+            for i, request_id in enumerate(ids):
+                engine.add_request(request_id, list(range(100 + i, 100 + i + prompt_len)), params)
             while (stats := engine.stats()).num_waiting or stats.num_prefilling:
                 engine.step()
             times = []
-            for _ in range(30):
+            for _ in range(steps):
                 _sync()
                 t = time.perf_counter()
                 engine.step()
                 _sync()
                 times.append(time.perf_counter() - t)
-            for i in range(batch):
-                engine.abort_request(f"b{batch}-{i}")
+            for request_id in ids:
+                engine.abort_request(request_id)
             median = statistics.median(times[5:])
-            results[f"{dtype}_{'flashinfer' if flashinfer else 'torch'}_batch{batch}"] = {
+            results[f"{dtype}_{'flashinfer' if flashinfer else 'torch'}_batch{batch}_ctx{prompt_len}"] = {
                 "attention": path, "step_ms": round(median * 1e3, 2), "tok_per_s": round(batch / median, 1)}
         del llm
     return results
 
 
 @torch.inference_mode()
-def hf_decode_rates(model_dir: str, batches: tuple[int, ...]) -> dict:
-    """The peer: HF transformers' generate on a static batch of 128-token prompts; decode tok/s
+def hf_decode_rates(model_dir: str, cases: tuple[tuple[int, int], ...]) -> dict:
+    """The peer: HF transformers' generate on a static batch of each case's prompts; decode tok/s
     from the time of 65 new tokens minus the time of 1 (the prefill)."""
     from transformers import AutoModelForCausalLM
 
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
-        for batch in batches:
-            ids = torch.arange(100, 228, device=DEVICE).repeat(batch, 1) + torch.arange(batch, device=DEVICE)[:, None]
+        for batch, prompt_len in cases:
+            offsets = torch.arange(batch, device=DEVICE)[:, None]
+            ids = torch.arange(100, 100 + prompt_len, device=DEVICE).repeat(batch, 1) + offsets
 
             def run(new_tokens: int, model=hf, ids=ids) -> float:
                 _sync()
@@ -194,7 +237,7 @@ def hf_decode_rates(model_dir: str, batches: tuple[int, ...]) -> dict:
             full = statistics.median(run(65) for _ in range(3))
             step = (full - prefill) / 64
             name = str(dtype).removeprefix("torch.")
-            results[f"{name}_batch{batch}"] = {"step_ms": round(step * 1e3, 2), "tok_per_s": round(batch / step, 1)}
+            results[f"{name}_batch{batch}_ctx{prompt_len}"] = {"step_ms": round(step * 1e3, 2), "tok_per_s": round(batch / step, 1)}
         del hf
     return results
 

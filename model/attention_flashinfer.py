@@ -19,6 +19,7 @@ a CPU, or a host without the package keeps the torch path (model/attention.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Protocol
@@ -115,6 +116,11 @@ def build_flashinfer_attention(device: torch.device, dtype: torch.dtype, num_hea
         import flashinfer
     except ImportError:
         return None
+    with contextlib.suppress(ImportError):
+        # FlashInfer's JIT reads `tvm_ffi.libinfo` without importing it; on the H200 image seen
+        # (flashinfer-python 0.7.2.post1, apache-tvm-ffi 0.1.15.post2) nothing else had, and every
+        # plan() failed with AttributeError.
+        import tvm_ffi.libinfo  # noqa: F401
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     # Tensor cores pay off for decode from 4 query heads per KV head (vLLM's rule).
     decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND",
