@@ -8,8 +8,9 @@
 //    x on, the weight is dequantized chunk by chunk into a reused buffer for torch's GEMM. On hosts
 //    with AMX, batches of 16 to 511 rows multiply on its tiles instead (amx_group_linear.h).
 //  - paged_attention: queries that each attend to the first `len` keys of one sequence's paged
-//    KV cache, read block by block in place (no gather copy), GQA-aware, online softmax, fp32 or
-//    bf16 cache. Decode rows and short prefill chunks over a long context go through it.
+//    KV cache, read block by block in place (no gather copy), GQA-aware (each key and value read
+//    once for up to three query heads of its group), online softmax, fp32 or bf16 cache. Decode
+//    rows and short prefill chunks over a long context go through it.
 //
 // Vectors are GCC vector extensions of 8 floats: AVX2 registers on x86, two NEON registers on Arm,
 // so one source builds on every host; the build uses the host's own -march.
@@ -80,6 +81,10 @@ inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
 inline float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+inline float hmax(v8f v) {
+  return std::max(std::max(std::max(v[0], v[4]), std::max(v[1], v[5])), std::max(std::max(v[2], v[6]), std::max(v[3], v[7])));
 }
 
 // One group of 32 weights into out[0..32). Not contracted into an FMA: gguf-py rounds d*q, then
@@ -385,30 +390,6 @@ inline v8f load_kv8<at::BFloat16>(const at::BFloat16* p) {
 #endif
 }
 
-// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums for the price of about two.
-inline v8f sum8(const v8f* a) {
-#if defined(__AVX__)
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[0], (__m256)a[1]), _mm256_hadd_ps((__m256)a[2], (__m256)a[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[4], (__m256)a[5]), _mm256_hadd_ps((__m256)a[6], (__m256)a[7]));
-  return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-#else
-  v8f sums;
-  for (int j = 0; j < 8; ++j) sums[j] = hsum(a[j]);
-  return sums;
-#endif
-}
-
-// One query's dot products with 8 consecutive keys (rows 8 * lanes apart); kLanes > 0 fixes
-// lanes at compile time.
-template <typename T, int kLanes>
-inline v8f dot8(const v8f* qv, const T* keys, int64_t runtime_lanes) {
-  const int64_t lanes = kLanes > 0 ? kLanes : runtime_lanes, D = 8 * lanes;
-  v8f partial[8] = {};
-  for (int64_t l = 0; l < lanes; ++l)
-    for (int j = 0; j < 8; ++j) partial[j] += qv[l] * load_kv8(keys + j * D + 8 * l);
-  return sum8(partial);
-}
-
 // e^x of 8 values x <= 0 (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; ~1 ulp).
 inline v8f exp8(v8f x) {
   const v8f lowest = splat(-87.3f);
@@ -458,32 +439,54 @@ struct BlockPrefetch {
   }
 };
 
-// One query row's heads of one KV head group against `len` keys; D = 8 * lanes, at most 256.
-// kLanes > 0 fixes lanes at compile time (the common head dims): then a head's accumulators stay
-// in registers while it takes a block's values, instead of a load and a store per product.
-template <typename T, int kLanes>
-void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T* v_cache, int64_t block_stride,
-            int64_t head_offset, const int64_t* table, int64_t block_size, int64_t len, float scale, float* scratch,
-            float* out) {
-  constexpr int64_t kMaxGroup = 16, kMaxDim = 256;
+// Up to kMaxHeads query heads at once, kKeyStep keys per step of the score loop (4 * 3 score
+// accumulators and 4 keys fill AVX2's 16 vector registers) and kValueLanes lanes per pass of the
+// value loop (3 * kValueLanes accumulators, 3 weights and a value: 8 lanes, one pass for a head dim
+// of 64, where AVX-512 gives 32 registers).
+constexpr int kKeyStep = 4, kMaxHeads = 3;
+#if defined(__AVX512F__)
+constexpr int kValueLanes = 8;
+#else
+constexpr int kValueLanes = 4;
+#endif
+
+// The sums of a[0..4)'s 8 lanes each, into out[0..4).
+inline void sum4(const v8f* a, float* out) {
+#if defined(__AVX__)
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[0], (__m256)a[1]), _mm256_hadd_ps((__m256)a[2], (__m256)a[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  for (int j = 0; j < 4; ++j) out[j] = hsum(a[j]);
+#endif
+}
+
+// G query heads of one KV head group against `len` keys, online softmax; D = 8 * lanes, at most
+// 256. Each key and value is read once for all G heads. kLanes > 0 fixes lanes at compile time
+// (the common head dims). scores: G * block_size floats.
+template <typename T, int kLanes, int G>
+void attend(const float* q, int64_t D, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t head_offset,
+            const int64_t* table, int64_t block_size, int64_t len, float scale, float* scores, float* out) {
+  constexpr int64_t kMaxDim = 256;
   const int64_t lanes = kLanes > 0 ? kLanes : D / 8;
   if (kLanes > 0) D = 8 * kLanes;
-  v8f qv[kMaxGroup][kMaxDim / 8], acc[kMaxGroup][kMaxDim / 8];
-  float running_max[kMaxGroup], denom[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
+  v8f qv[G][kMaxDim / 8], acc[G][kMaxDim / 8];
+  v8f denom8[G];  // the softmax's denominator over the blocks' runs of 8 keys,
+  float running_max[G], denom[G];  // and over the keys after them
+  for (int g = 0; g < G; ++g) {
     running_max[g] = -std::numeric_limits<float>::infinity();
     denom[g] = 0.0f;
+    denom8[g] = v8f{};
     for (int64_t l = 0; l < lanes; ++l) {
       qv[g][l] = load8(q + g * D + 8 * l) * splat(scale);
       acc[g][l] = v8f{};
     }
   }
-  float* scores = scratch;
   // The block kPrefetchBlocks ahead is fetched while this one's values are taken: lines of K and
-  // of V per value row, so that all of it is asked for within the block's group * block_size rows.
+  // of V per step of the value loop, so that all of it is asked for within the block's steps.
   BlockPrefetch spread;
   const int64_t block_lines = (block_size * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  const int64_t lines_per_row = (block_lines + group * block_size - 1) / (group * block_size);
+  const int64_t value_steps = block_size * ((lanes + kValueLanes - 1) / kValueLanes);
+  const int64_t lines_per_step = (block_lines + value_steps - 1) / value_steps;
   for (int64_t start = 0; start < len; start += block_size) {
     const int64_t index = start / block_size, block = table[index], valid = std::min(block_size, len - start);
     const T* kb = k_cache + block * block_stride + head_offset;
@@ -498,58 +501,106 @@ void attend(const float* q, int64_t group, int64_t D, const T* k_cache, const T*
       spread.start(k_cache, v_cache, table[index + kPrefetchBlocks] * block_stride + head_offset, block_size * D);
     else
       spread.stop();
-    for (int64_t g = 0; g < group; ++g) {
+    int64_t t = 0;
+    for (; t + kKeyStep <= valid; t += kKeyStep) {
+      v8f part[G][kKeyStep] = {};
+      for (int64_t l = 0; l < lanes; ++l) {
+        v8f k[kKeyStep];
+        for (int j = 0; j < kKeyStep; ++j) k[j] = load_kv8(kb + (t + j) * D + 8 * l);
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < kKeyStep; ++j) part[g][j] += qv[g][l] * k[j];
+      }
+      for (int g = 0; g < G; ++g) sum4(part[g], scores + g * block_size + t);
+    }
+    for (; t < valid; ++t) {
+      v8f part[G] = {};
+      for (int64_t l = 0; l < lanes; ++l) {
+        const v8f k = load_kv8(kb + t * D + 8 * l);
+        for (int g = 0; g < G; ++g) part[g] += qv[g][l] * k;
+      }
+      for (int g = 0; g < G; ++g) scores[g * block_size + t] = hsum(part[g]);
+    }
+    for (int g = 0; g < G; ++g) {
       float* row = scores + g * block_size;
-      int64_t t = 0;
-      for (; t + 8 <= valid; t += 8) store8(row + t, dot8<T, kLanes>(qv[g], kb + t * D, lanes));
-      for (; t < valid; ++t) {
-        v8f s = {};
-        for (int64_t l = 0; l < lanes; ++l) s += qv[g][l] * load_kv8(kb + t * D + 8 * l);
-        row[t] = hsum(s);
-      }
-      float block_max = row[0];
-      for (t = 1; t < valid; ++t) block_max = std::max(block_max, row[t]);
-      const float new_max = std::max(running_max[g], block_max);
-      const float rescale = std::exp(running_max[g] - new_max);
-      running_max[g] = new_max;
-      denom[g] *= rescale;
+      v8f block_max8 = splat(-std::numeric_limits<float>::infinity());
       for (t = 0; t + 8 <= valid; t += 8) {
-        const v8f p = exp8(load8(row + t) - splat(new_max));
+        const v8f s = load8(row + t);
+        block_max8 = s > block_max8 ? s : block_max8;
+      }
+      float block_max = hmax(block_max8);
+      for (; t < valid; ++t) block_max = std::max(block_max, row[t]);
+      // Rescaled only when the maximum grows: after the first blocks it mostly does not, and a
+      // factor of exactly 1 would change nothing (an exp and the multiplications saved).
+      if (block_max > running_max[g]) {
+        const v8f rescale = splat(std::exp(running_max[g] - block_max));
+        running_max[g] = block_max;
+        denom8[g] *= rescale;
+        denom[g] *= rescale[0];
+        for (int64_t l = 0; l < lanes; ++l) acc[g][l] *= rescale;
+      }
+      const v8f max8 = splat(running_max[g]);
+      for (t = 0; t + 8 <= valid; t += 8) {
+        const v8f p = exp8(load8(row + t) - max8);
         store8(row + t, p);
-        denom[g] += hsum(p);
+        denom8[g] += p;
       }
       for (; t < valid; ++t) {
-        row[t] = std::exp(row[t] - new_max);
+        row[t] = std::exp(row[t] - running_max[g]);
         denom[g] += row[t];
       }
-      v8f a[kMaxDim / 8];
-      for (int64_t l = 0; l < lanes; ++l) a[l] = acc[g][l] * splat(rescale);
+    }
+    for (int64_t l0 = 0; l0 < lanes; l0 += kValueLanes) {
+      v8f a[G][kValueLanes];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < kValueLanes; ++j)
+          if (l0 + j < lanes) a[g][j] = acc[g][l0 + j];
       for (t = 0; t < valid; ++t) {
-        spread.step(lines_per_row);
-        const v8f p = splat(row[t]);
-        for (int64_t l = 0; l < lanes; ++l) a[l] += p * load_kv8(vb + t * D + 8 * l);
+        spread.step(lines_per_step);
+        v8f p[G];
+        for (int g = 0; g < G; ++g) p[g] = splat(scores[g * block_size + t]);
+        for (int j = 0; j < kValueLanes; ++j) {
+          if (l0 + j >= lanes) break;
+          const v8f v = load_kv8(vb + t * D + 8 * (l0 + j));
+          for (int g = 0; g < G; ++g) a[g][j] += p[g] * v;
+        }
       }
-      for (int64_t l = 0; l < lanes; ++l) acc[g][l] = a[l];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < kValueLanes; ++j)
+          if (l0 + j < lanes) acc[g][l0 + j] = a[g][j];
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const v8f inv = splat(1.0f / denom[g]);
+  for (int g = 0; g < G; ++g) {
+    const v8f inv = splat(1.0f / (hsum(denom8[g]) + denom[g]));
     for (int64_t l = 0; l < lanes; ++l) store8(out + g * D + 8 * l, acc[g][l] * inv);
   }
 }
 
-// attend<T, lanes> for the head dims that have their own build, else the general one.
+// A KV head group's query heads in runs of at most kMaxHeads, as even as possible (4 -> 2 + 2),
+// through attend<T, lanes, run> for the head dims that have their own build, else the general one.
 template <typename T>
-void attend_any(const float* q, int64_t group, int64_t D, const T* k_cache, const T* v_cache, int64_t block_stride,
-                int64_t head_offset, const int64_t* table, int64_t block_size, int64_t len, float scale,
-                float* scratch, float* out) {
-  auto run = [&](auto kernel) {
-    kernel(q, group, D, k_cache, v_cache, block_stride, head_offset, table, block_size, len, scale, scratch, out);
-  };
-  switch (D) {
-    case 64: return run(attend<T, 8>);
-    case 128: return run(attend<T, 16>);
-    default: return run(attend<T, 0>);
+void attend_group(const float* q, int64_t group, int64_t D, const T* k_cache, const T* v_cache, int64_t block_stride,
+                  int64_t head_offset, const int64_t* table, int64_t block_size, int64_t len, float scale,
+                  float* scratch, float* out) {
+  const int64_t runs = (group + kMaxHeads - 1) / kMaxHeads;
+  for (int64_t r = 0, h = 0; r < runs; ++r) {
+    const int64_t heads = (group - h) / (runs - r);
+    auto run = [&](auto kernel) {
+      kernel(q + h * D, D, k_cache, v_cache, block_stride, head_offset, table, block_size, len, scale, scratch,
+             out + h * D);
+    };
+    auto by_heads = [&](auto one, auto two, auto three) {
+      switch (heads) {
+        case 1: return run(one);
+        case 2: return run(two);
+        default: return run(three);
+      }
+    };
+    switch (D) {
+      case 64: by_heads(attend<T, 8, 1>, attend<T, 8, 2>, attend<T, 8, 3>); break;
+      case 128: by_heads(attend<T, 16, 1>, attend<T, 16, 2>, attend<T, 16, 3>); break;
+      default: by_heads(attend<T, 0, 1>, attend<T, 0, 2>, attend<T, 0, 3>);
+    }
+    h += heads;
   }
 }
 
@@ -585,10 +636,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       const int64_t* table = tp + seq[t] * max_blocks;
       const int64_t offset = h * block_size * D;
       if (k_cache.scalar_type() == torch::kBFloat16) {
-        attend_any(qh, group, D, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_stride,
+        attend_group(qh, group, D, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), block_stride,
                    offset, table, block_size, lens[t], static_cast<float>(scale), scratch.data(), oh);
       } else {
-        attend_any(qh, group, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_stride, offset, table,
+        attend_group(qh, group, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_stride, offset, table,
                    block_size, lens[t], static_cast<float>(scale), scratch.data(), oh);
       }
     }

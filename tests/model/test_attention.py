@@ -55,12 +55,15 @@ def test_mixed_step_matches_dense_attention():
 @pytest.mark.parametrize("kernel_max_queries", [1, 5, 16])
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                 (torch.float32, torch.bfloat16)])
-def test_kernel_reads_blocks_in_place_like_the_torch_path(kernel_max_queries, dtype, cache_dtype):
+# The default model's 9 / 3 heads of 64; then query heads per KV head that the kernel takes in
+# runs (4 -> 2 + 2, 5 -> 3 + 2, 1) and head dims with and without their own build (128, 72)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (5, 1, 72), (4, 4, 64)])
+def test_kernel_reads_blocks_in_place_like_the_torch_path(kernel_max_queries, dtype, cache_dtype, heads, kv_heads, dim):
     """The same step through the kernel (decodes, and chunks up to kernel_max_queries) and through
     the gathering path: equal outputs; bf16 caches too, under a bf16 model and under an fp32 one
     (kv_cache_dtype: both paths then compute in fp32 on the same rounded K/V)."""
     torch.manual_seed(1)
-    heads, kv_heads, dim, block = 9, 3, 64, 16
+    block = 16
     shapes = [(40, 1), (3, 1), (100, 1), (300, 1), (0, 20), (37, 5), (16, 3)]
     free = iter(torch.randperm(64).tolist())
     tables = [[next(free) for _ in range(-(-(c + n) // block))] for c, n in shapes]
