@@ -439,15 +439,15 @@ struct BlockPrefetch {
   }
 };
 
-// Up to kMaxHeads query heads at once, kKeyStep keys per step of the score loop (4 * 3 score
-// accumulators and 4 keys fill AVX2's 16 vector registers) and kValueLanes lanes per pass of the
-// value loop (3 * kValueLanes accumulators, 3 weights and a value: 8 lanes, one pass for a head dim
-// of 64, where AVX-512 gives 32 registers).
-constexpr int kKeyStep = 4, kMaxHeads = 3;
+// Up to kMaxHeads query heads at once; kKeyStep keys per step of the score loop (kMaxHeads *
+// kKeyStep accumulators and the keys) and kValueLanes lanes per pass of the value loop (kMaxHeads *
+// kValueLanes accumulators, the weights and a value) in the vector registers: 16 with AVX2, 32
+// with AVX-512, where a head dim of 64 takes one pass.
+constexpr int kMaxHeads = 3;
 #if defined(__AVX512F__)
-constexpr int kValueLanes = 8;
+constexpr int kKeyStep = 8, kValueLanes = 8;
 #else
-constexpr int kValueLanes = 4;
+constexpr int kKeyStep = 4, kValueLanes = 4;
 #endif
 
 // The sums of a[0..4)'s 8 lanes each, into out[0..4).
@@ -485,8 +485,8 @@ void attend(const float* q, int64_t D, const T* k_cache, const T* v_cache, int64
   // of V per step of the value loop, so that all of it is asked for within the block's steps.
   BlockPrefetch spread;
   const int64_t block_lines = (block_size * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  const int64_t value_steps = block_size * ((lanes + kValueLanes - 1) / kValueLanes);
-  const int64_t lines_per_step = (block_lines + value_steps - 1) / value_steps;
+  const int64_t steps = block_size / kKeyStep * lanes + block_size * ((lanes + kValueLanes - 1) / kValueLanes);
+  const int64_t lines_per_step = (block_lines + steps - 1) / steps;
   for (int64_t start = 0; start < len; start += block_size) {
     const int64_t index = start / block_size, block = table[index], valid = std::min(block_size, len - start);
     const T* kb = k_cache + block * block_stride + head_offset;
@@ -505,12 +505,14 @@ void attend(const float* q, int64_t D, const T* k_cache, const T* v_cache, int64
     for (; t + kKeyStep <= valid; t += kKeyStep) {
       v8f part[G][kKeyStep] = {};
       for (int64_t l = 0; l < lanes; ++l) {
+        spread.step(lines_per_step);
         v8f k[kKeyStep];
         for (int j = 0; j < kKeyStep; ++j) k[j] = load_kv8(kb + (t + j) * D + 8 * l);
         for (int g = 0; g < G; ++g)
           for (int j = 0; j < kKeyStep; ++j) part[g][j] += qv[g][l] * k[j];
       }
-      for (int g = 0; g < G; ++g) sum4(part[g], scores + g * block_size + t);
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < kKeyStep; j += 4) sum4(part[g] + j, scores + g * block_size + t + j);
     }
     for (; t < valid; ++t) {
       v8f part[G] = {};
