@@ -481,8 +481,8 @@ void attend(const float* q, int64_t D, const T* k_cache, const T* v_cache, int64
       acc[g][l] = v8f{};
     }
   }
-  // The block kPrefetchBlocks ahead is fetched while this one's values are taken: lines of K and
-  // of V per step of the value loop, so that all of it is asked for within the block's steps.
+  // The block kPrefetchBlocks ahead is fetched while this one is taken: lines of K and of V per
+  // step of the score and value loops, so that all of it is asked for within the block's steps.
   BlockPrefetch spread;
   const int64_t block_lines = (block_size * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t steps = block_size / kKeyStep * lanes + block_size * ((lanes + kValueLanes - 1) / kValueLanes);
