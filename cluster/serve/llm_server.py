@@ -358,6 +358,7 @@ class LLMServer:
             self._expire_deadlines()
             if not engine.has_unfinished_requests():
                 self._last_stats = engine.stats()  # aborts since the last step freed their blocks
+                self._record_metrics(engine)  # and blocks that went down to the tiers after it
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
@@ -384,12 +385,15 @@ class LLMServer:
                 self._deliver(delta)
             self._flush_stalled({delta.request_id for delta in deltas})
             self._last_stats = engine.stats()  # a stream found gone has been aborted
-            self.metrics.record_engine(self._last_stats)
-            if engine.kv_connector.offload is not None:
-                self.metrics.record_tiers(engine.kv_connector.offload)
+            self._record_metrics(engine)
         self._drain_inbox()
         self._fail_all(ServerDrainingError("the server stopped before this request finished; retry"))
         self._drain_kv(engine)
+
+    def _record_metrics(self, engine: LLMEngine) -> None:
+        self.metrics.record_engine(self._last_stats)
+        if engine.kv_connector.offload is not None:
+            self.metrics.record_tiers(engine.kv_connector.offload)
 
     def _is_light_step(self, engine: LLMEngine) -> bool:
         """A step of a few decodes and nothing to prefill: it may run on one thread fewer, leaving
