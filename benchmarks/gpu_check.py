@@ -169,10 +169,10 @@ def attention_paths_agree(model_dir: str, num_prompts: int | None) -> dict:
 
 def _parting(ours: list[int], ref) -> tuple[int, float] | None:
     """(output token, HF's top-2 gap there) where ours first differs from HF's; None if equal."""
-    for step, (a, b) in enumerate(zip(ours, ref.token_ids)):
-        if a != b:
-            return step, round(ref.top2_gaps[step], 4)
-    return None
+    from tests.hf_reference import first_difference
+
+    step = first_difference(ours, ref)
+    return None if step is None else (step, round(ref.top2_gaps[step], 4))
 
 
 def step_times(model_dir: str, cases: tuple[tuple[int, int], ...], flashinfer: bool) -> dict:

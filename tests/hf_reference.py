@@ -34,16 +34,22 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> Reference
     return Reference(tokens, gaps)
 
 
+def first_difference(ours: list[int], ref: Reference) -> int | None:
+    """The first output token where ours and HF's differ (over their common length), or None."""
+    return next((step for step, (a, b) in enumerate(zip(ours, ref.token_ids)) if a != b), None)
+
+
 def compare(ours: list[int], ref: Reference) -> str:
     """'equal', or 'near-tie' when the first difference is at a step where HF's top-2 logits are
     within NEAR_TIE (what follows a near-tie is a different, equally valid continuation).
     Raises AssertionError on any other difference."""
-    for step, (a, b) in enumerate(zip(ours, ref.token_ids)):
-        if a != b:
-            assert ref.top2_gaps[step] < NEAR_TIE, (
-                f"diverged at output token {step}: ours {a}, HF {b}, HF top-2 gap {ref.top2_gaps[step]:.2e}"
-            )
-            return "near-tie"
+    step = first_difference(ours, ref)
+    if step is not None:
+        assert ref.top2_gaps[step] < NEAR_TIE, (
+            f"diverged at output token {step}: ours {ours[step]}, HF {ref.token_ids[step]}, "
+            f"HF top-2 gap {ref.top2_gaps[step]:.2e}"
+        )
+        return "near-tie"
     assert len(ours) == len(ref.token_ids), f"lengths differ: ours {len(ours)}, HF {len(ref.token_ids)}"
     return "equal"
 
