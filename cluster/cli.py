@@ -394,6 +394,9 @@ def status(http_address, as_json, api_key) -> None:
         for rank in group.get("ranks", []):
             if "weight_formats" in rank:  # how this host runs the model (chosen at load)
                 formats = ", ".join(f"{count} {name}" for name, count in rank["weight_formats"].items())
+                if "dense_from" in rank:  # grouped weights: where prefill leaves their kernel (measured at load)
+                    formats += (f"; torch's GEMM from {rank['dense_from']} rows" if rank["dense_from"]
+                                else "; the group kernel at every size")
                 click.echo(f"{group['deployment']} {group['replica']} rank {rank['rank']}: quantization "
                            f"{rank['quantization']} (weights: {formats}); attention: {rank['attention']}; "
                            f"KV cache: {rank['kv_cache_dtype']}")

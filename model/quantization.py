@@ -17,6 +17,7 @@ decode reads ~0.63 byte per weight instead of 4 with the same numbers.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -148,6 +149,37 @@ class Int8Weight:
         if self.bias is not None:
             out += self.bias
         return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
+
+
+# Rows of x (prefill chunks) at which choose_dense_from compares the group kernel with torch's GEMM.
+DENSE_PROBE_ROWS = (128, 512)
+NEVER_DENSE = 1 << 62
+
+
+def choose_dense_from(weight: GroupedWeight, repeats: int = 3) -> int | None:
+    """From how many rows of x torch's GEMM of the dequantized weight is faster than the group
+    kernel on this host: timed on `weight` (a model's largest grouped layer) at DENSE_PROBE_ROWS,
+    the fastest of `repeats` each, once at load (~0.1 s on the default model). Sets it for every
+    group_linear of this process and returns it; None: the group kernel at every size."""
+    ops, chosen = weight._ops, NEVER_DENSE
+
+    def fastest(rows_from: int, x: torch.Tensor) -> float:
+        ops.set_dense_from(rows_from)
+        weight.linear(x)  # warm: the GEMM's buffers, the weight in cache as a layer's would not be
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            weight.linear(x)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    for rows in DENSE_PROBE_ROWS:
+        x = torch.randn(rows, weight.shape[1])
+        if fastest(1, x) < fastest(NEVER_DENSE, x):
+            chosen = rows
+            break
+    ops.set_dense_from(chosen)
+    return None if chosen == NEVER_DENSE else chosen
 
 
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, mode: str) -> PackedWeight | None:

@@ -27,7 +27,7 @@ from model.kv_transfer import KVExporter, KVImport, KVPart, from_numpy, install,
 from model.llama import LlamaForCausalLM
 from model.loader import dtype_name, load_weights
 from model.multimodal import MultimodalSpec
-from model.quantization import check_mode
+from model.quantization import GroupedWeight, check_mode, choose_dense_from
 from model.sampler import SamplingRow, TokenLogprobs, sample
 from model.tp_layout import head_shard
 
@@ -119,6 +119,11 @@ class ModelRunner:
         self.kernel_max_queries = KERNEL_MAX_QUERIES if kernel else 0
         self.quantization = check_mode(quantization, self.device)
         self.weight_formats = self.model.quantize(self.quantization)
+        # Where prefill chunks leave the group kernel for torch's GEMM, as this host measures it
+        # ({} without grouped weights; {"dense_from": None}: the group kernel at every size)
+        grouped = [m.packed for m in self.model.modules() if isinstance(getattr(m, "packed", None), GroupedWeight)]
+        self.group_kernel = {"dense_from": choose_dense_from(max(grouped, key=lambda w: w.shape[0] * w.shape[1]))
+                             } if grouped else {}
         self.model.eval()
         self.num_blocks = num_blocks or max(1, kv_cache_bytes // self.bytes_per_block)
         # One allocation for all layers: [layers, K/V, blocks, kv_heads, block_size, head_dim]
@@ -157,7 +162,7 @@ class ModelRunner:
     def describe(self) -> list[dict]:
         return [{"rank": self.tp_rank, "pid": os.getpid(), "kv_heads": self.num_kv_heads, "num_blocks": self.num_blocks,
                  "max_model_len": self.max_model_len, "quantization": self.quantization,
-                 "weight_formats": self.weight_formats, "amx_tiles": self._amx_tiles(),
+                 "weight_formats": self.weight_formats, "amx_tiles": self._amx_tiles(), **self.group_kernel,
                  "kv_cache_dtype": dtype_name(self.kv_dtype),
                  "attention": self._attention_path()}]
 

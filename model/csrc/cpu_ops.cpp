@@ -4,16 +4,18 @@
 //    dimension, the way GGUF stores it: Q4_1 (4-bit q, w = d*q + m) or Q8_0 (8-bit q, w = d*q),
 //    d and m in fp16. Each group is dequantized exactly as gguf-py does it (fp32 d*q, then + m)
 //    and multiplied in fp32, so the result is the fp32 GEMM of the checkpoint's own dequantized
-//    weights, up to summation order, while decode reads 5-6x fewer bytes. From kDenseFrom rows of
-//    x on, the weight is dequantized chunk by chunk into a reused buffer for torch's GEMM. On hosts
-//    with AMX, batches of 16 to 511 rows multiply on its tiles instead (amx_group_linear.h).
+//    weights, up to summation order, while decode reads 5-6x fewer bytes. From dense_from rows of
+//    x on (where the host's GEMM measured faster), the weight is dequantized chunk by chunk into a
+//    reused buffer for torch's GEMM. On hosts with AMX, batches of 16 to 511 rows multiply on its
+//    tiles instead (amx_group_linear.h).
 //  - paged_attention: queries that each attend to the first `len` keys of one sequence's paged
 //    KV cache, read block by block in place (no gather copy), GQA-aware (each key and value read
 //    once for up to three query heads of its group), online softmax, fp32 or bf16 cache. Decode
 //    rows and short prefill chunks over a long context go through it.
 //
 // Vectors are GCC vector extensions of 8 floats: AVX2 registers on x86, two NEON registers on Arm,
-// so one source builds on every host; the build uses the host's own -march.
+// so one source builds on every host; the build uses the host's own -march. The grouped weights'
+// products take the widest the host has (vf: 16 floats with AVX-512, else 8).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,6 +23,7 @@
 #include <immintrin.h>
 #endif
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -57,6 +60,48 @@ inline v8i32 widen_i8(const int8_t* p) {
 
 inline v8f to_floats(v8i32 ints) { return __builtin_convertvector(ints, v8f); }
 
+// The grouped weights' products run kLanes floats at a time: twice the arithmetic per instruction
+// where AVX-512 gives 512-bit registers (on a 2-core AVX-512 host, Q4_1 576 -> 3,072 with the weight
+// hot: one row 45 -> 33 us, 32 rows 720 -> 415 us; docs/benchmarks.md).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi32 __attribute__((vector_size(4 * kLanes)));
+
+// kLanes bytes -> kLanes ints.
+#if defined(__AVX512F__)
+inline vi32 widen_lanes_u8(const uint8_t* p) {
+  return (vi32)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi32 widen_lanes_i8(const int8_t* p) {
+  return (vi32)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#else
+inline vi32 widen_lanes_u8(const uint8_t* p) { return widen_u8(p); }
+inline vi32 widen_lanes_i8(const int8_t* p) { return widen_i8(p); }
+#endif
+
+inline vf lanes_to_floats(vi32 ints) { return __builtin_convertvector(ints, vf); }
+
+inline vf load_lanes(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store_lanes(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline vf splat_lanes(float x) { return __builtin_shuffle(vf{x}, vi32{}); }  // lane 0 everywhere
+
+inline float hsum_lanes(vf v) {
+  float sum = 0.0f;
+  for (int i = 0; i < kLanes / 2; ++i) sum += v[i] + v[i + kLanes / 2];
+  return sum;
+}
+
 // c10::Half's conversion is a function call of some twenty instructions: once per 32 weights it
 // cost more than the weights' own arithmetic. F16C converts in one.
 inline float half_to_float(at::Half h) {
@@ -91,21 +136,17 @@ inline float hmax(v8f v) {
 // adds m, and the fp32 checkpoint holds exactly those values.
 __attribute__((optimize("fp-contract=off"))) inline void dequant_q4_1(const uint8_t* q, float d, float m,
                                                                         float* out) {
-  const v8f dv = splat(d), mv = splat(m);
-  for (int half = 0; half < 2; ++half) {
-    const v8i32 bytes = widen_u8(q + 8 * half);
-    v8f lo = to_floats(bytes & 0xF);
-    v8f hi = to_floats(bytes >> 4);
-    store8(out + 8 * half, lo * dv + mv);
-    store8(out + 16 + 8 * half, hi * dv + mv);
+  const vf dv = splat_lanes(d), mv = splat_lanes(m);
+  for (int h = 0; h < kGroup / 2; h += kLanes) {  // byte h holds weights h (low nibble) and h + 16
+    const vi32 bytes = widen_lanes_u8(q + h);
+    store_lanes(out + h, lanes_to_floats(bytes & 0xF) * dv + mv);
+    store_lanes(out + kGroup / 2 + h, lanes_to_floats(bytes >> 4) * dv + mv);
   }
 }
 
 inline void dequant_q8_0(const int8_t* q, float d, float* out) {
-  const v8f dv = splat(d);
-  for (int i = 0; i < 4; ++i) {
-    store8(out + 8 * i, to_floats(widen_i8(q + 8 * i)) * dv);
-  }
+  const vf dv = splat_lanes(d);
+  for (int i = 0; i < kGroup; i += kLanes) store_lanes(out + i, lanes_to_floats(widen_lanes_i8(q + i)) * dv);
 }
 
 // A grouped weight as raw pointers: Q4_1 when q4 (m set), else Q8_0.
@@ -135,24 +176,35 @@ void dequant_rows(const GroupedWeight& w, int64_t n0, int64_t rows, float* buf) 
   }
 }
 
-// out[i][j] = x[i] . w[j] for MB rows of x and NB rows of w, accumulating 8 lanes across K.
+// Keeps v in a register: GCC would otherwise load x again as the memory operand of each of its
+// NB products, and the loads, not the products, would bound the loop.
+inline void in_register(vf& v) {
+#if defined(__x86_64__) && defined(__AVX__)
+  asm("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
+
+// out[i][j] = x[i] . w[j] for MB rows of x and NB rows of w, accumulating kLanes lanes across K.
 template <int MB, int NB>
 inline void micro_gemm(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
-  v8f acc[MB][NB] = {};
-  for (int64_t k = 0; k < K; k += 8) {
-    v8f wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = load8(w + j * K + k);
+  vf acc[MB][NB] = {};
+  for (int64_t k = 0; k < K; k += kLanes) {
+    vf wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load_lanes(w + j * K + k);
     for (int i = 0; i < MB; ++i) {
-      const v8f xv = load8(x + i * ldx + k);
+      vf xv = load_lanes(x + i * ldx + k);
+      in_register(xv);
       for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) out[i * ldo + j] = hsum(acc[i][j]);
+    for (int j = 0; j < NB; ++j) out[i * ldo + j] = hsum_lanes(acc[i][j]);
 }
 
 // Rows of x per register tile: with 4 rows of W, 2 x 4 accumulators + 4 weights + 1 input fit
-// AVX2's 16 registers (a 4 x 4 tile spills).
+// AVX2's 16 registers (a 4 x 4 tile spills; with AVX-512's 32 it measured no faster).
 constexpr int kTokenTile = 2;
 
 template <int NB>
@@ -168,53 +220,72 @@ constexpr int64_t kTokenBlock = 64;  // rows of x that share one dequantization 
 // For a few rows of x, dequantizing into a buffer costs more than the products: each group's
 // sum(q * x) is taken on the integers as floats and scaled once, x . w = sum_g d_g * sum(q x) +
 // m_g * sum(x) -- the same value as the dequantized product, summed in another order.
-constexpr int64_t kFewTokens = 2;
+constexpr int64_t kFewTokens = 4;
 
-inline float dot_q4_1_row(const GroupedWeight& w, int64_t n, const float* x, const float* group_sums) {
+// Row n of W times T rows of x (x[t] at x + t * K), reading the row's groups once for all T.
+template <int T>
+inline void dot_q4_1_rows(const GroupedWeight& w, int64_t n, const float* x, const float* group_sums, float* out,
+                          int64_t ldo) {
   const int64_t groups = w.K / kGroup;
-  v8f acc = {};
-  float min_terms = 0.0f;
+  vf acc[T] = {};
+  float min_terms[T] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* q = w.q + (n * groups + g) * (kGroup / 2);
-    const float* xs = x + g * kGroup;
-    const v8i32 first = widen_u8(q), second = widen_u8(q + 8);
-    v8f partial = to_floats(first & 0xF) * load8(xs);
-    partial += to_floats(second & 0xF) * load8(xs + 8);
-    partial += to_floats(first >> 4) * load8(xs + 16);
-    partial += to_floats(second >> 4) * load8(xs + 24);
-    acc += splat(half_to_float(w.d[n * groups + g])) * partial;
-    min_terms += half_to_float(w.m[n * groups + g]) * group_sums[g];
+    vf partial[T] = {};
+    for (int h = 0; h < kGroup / 2; h += kLanes) {  // byte h holds weights h (low nibble) and h + 16
+      const vi32 bytes = widen_lanes_u8(q + h);
+      const vf low = lanes_to_floats(bytes & 0xF), high = lanes_to_floats(bytes >> 4);
+      for (int t = 0; t < T; ++t) {
+        const float* xs = x + t * w.K + g * kGroup;
+        partial[t] += low * load_lanes(xs + h);
+        partial[t] += high * load_lanes(xs + kGroup / 2 + h);
+      }
+    }
+    const vf d = splat_lanes(half_to_float(w.d[n * groups + g]));
+    const float m = half_to_float(w.m[n * groups + g]);
+    for (int t = 0; t < T; ++t) {
+      acc[t] += d * partial[t];
+      min_terms[t] += m * group_sums[t * groups + g];
+    }
   }
-  return hsum(acc) + min_terms;
+  for (int t = 0; t < T; ++t) out[t * ldo] = hsum_lanes(acc[t]) + min_terms[t];
 }
 
-inline float dot_q8_0_row(const GroupedWeight& w, int64_t n, const float* x) {
+template <int T>
+inline void dot_q8_0_rows(const GroupedWeight& w, int64_t n, const float* x, float* out, int64_t ldo) {
   const int64_t groups = w.K / kGroup;
-  v8f acc = {};
+  vf acc[T] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* q = reinterpret_cast<const int8_t*>(w.q) + (n * groups + g) * kGroup;
-    const float* xs = x + g * kGroup;
-    v8f partial = to_floats(widen_i8(q)) * load8(xs);
-    for (int i = 1; i < 4; ++i) partial += to_floats(widen_i8(q + 8 * i)) * load8(xs + 8 * i);
-    acc += splat(half_to_float(w.d[n * groups + g])) * partial;
+    vf partial[T] = {};
+    for (int i = 0; i < kGroup; i += kLanes) {
+      const vf weights = lanes_to_floats(widen_lanes_i8(q + i));
+      for (int t = 0; t < T; ++t) partial[t] += weights * load_lanes(x + t * w.K + g * kGroup + i);
+    }
+    const vf d = splat_lanes(half_to_float(w.d[n * groups + g]));
+    for (int t = 0; t < T; ++t) acc[t] += d * partial[t];
   }
-  return hsum(acc);
+  for (int t = 0; t < T; ++t) out[t * ldo] = hsum_lanes(acc[t]);
 }
 
-void few_tokens_linear(const GroupedWeight& w, const float* x, int64_t M, int64_t N, float* out) {
+template <int T>
+void few_tokens_linear(const GroupedWeight& w, const float* x, int64_t N, float* out) {
   const int64_t groups = w.K / kGroup;
-  std::vector<float> group_sums(M * groups);  // sum(x) per group, for Q4_1's minimums
-  for (int64_t t = 0; t < M; ++t)
+  std::vector<float> group_sums(T * groups);  // sum(x) per group, for Q4_1's minimums
+  for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < groups; ++g) {
       float sum = 0.0f;
       for (int64_t i = 0; i < kGroup; ++i) sum += x[t * w.K + g * kGroup + i];
       group_sums[t * groups + g] = sum;
     }
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t t = 0; t < M; ++t)
-        out[t * N + n] = w.q4 ? dot_q4_1_row(w, n, x + t * w.K, group_sums.data() + t * groups)
-                              : dot_q8_0_row(w, n, x + t * w.K);
+    for (int64_t n = begin; n < end; ++n) {
+      if (w.q4) {
+        dot_q4_1_rows<T>(w, n, x, group_sums.data(), out + n, N);
+      } else {
+        dot_q8_0_rows<T>(w, n, x, out + n, N);
+      }
+    }
   });
 }
 
@@ -225,30 +296,38 @@ void tiled_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N,
   for (int64_t t0 = 0; t0 < M; t0 += kTokenBlock) {
     const int64_t tokens = std::min(kTokenBlock, M - t0);
     at::parallel_for(0, num_row_blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(kRowBlock * K);
+      // Vectors, so the rows start on 64-byte lines: a 512-bit load across two lines costs two.
+      std::vector<vf> vectors(kRowBlock * K / kLanes);
+      float* buf = reinterpret_cast<float*>(vectors.data());
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0 = b * kRowBlock, rows = std::min(kRowBlock, N - n0);
-        dequant_rows(w, n0, rows, buf.data());
+        dequant_rows(w, n0, rows, buf);
         const float* xs = xp + t0 * K;
         float* o = op + t0 * N + n0;
         switch (rows) {
-          case 4: rows_times_block<4>(xs, tokens, K, buf.data(), o, N); break;
-          case 3: rows_times_block<3>(xs, tokens, K, buf.data(), o, N); break;
-          case 2: rows_times_block<2>(xs, tokens, K, buf.data(), o, N); break;
-          default: rows_times_block<1>(xs, tokens, K, buf.data(), o, N); break;
+          case 4: rows_times_block<4>(xs, tokens, K, buf, o, N); break;
+          case 3: rows_times_block<3>(xs, tokens, K, buf, o, N); break;
+          case 2: rows_times_block<2>(xs, tokens, K, buf, o, N); break;
+          default: rows_times_block<1>(xs, tokens, K, buf, o, N); break;
         }
       }
     });
   }
 }
 
-// From this many rows of x on (a prefill chunk, a step with one), dequantizing the weight and
-// calling torch's GEMM (MKL) is faster than the group kernel: MKL's register tiling gains more than
-// the dequantization costs. The default model's 30 layers on a 2-core AVX2 host, weights cold:
-// 275 vs 384 ms at 128 rows; hot, 733 vs 1,310 ms at 512 (docs/benchmarks.md). Between 48 and 64
-// rows it won alone but lost inside the layer stack's decode steps, so decode batches keep the
-// group kernel, which reads the packed weight once.
-constexpr int64_t kDenseFrom = 128;
+// From this many rows of x on (a prefill chunk, a step with one), group_linear dequantizes the
+// weight and calls torch's GEMM (MKL), where that is faster than the group kernel; which is, depends
+// on the host: on a 2-core AVX2 host MKL won from 128 rows (275 vs 384 ms for the default model's
+// 30 layers, weights cold), on a 2-core AMD host with AVX-512 the group kernel's 512-bit products
+// were twice MKL's speed at 128 and 512 rows (docs/benchmarks.md). The engine measures it once at
+// load (model/quantization.py: choose_dense_from) and sets it here; 128 until then. Below 128,
+// decode batches keep the group kernel, which reads the packed weight once.
+std::atomic<int64_t> dense_from{128};
+
+void set_dense_from(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "dense_from must be at least 1 row");
+  dense_from.store(rows);
+}
 // Floats of W dequantized per GEMM call: the chunk stays in the L3 cache from its writing to the
 // GEMM's reading; a whole LM head (28M weights on the default model) would go out to memory.
 constexpr int64_t kDenseChunk = 2 << 20;
@@ -333,7 +412,7 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   const bool integers = int8_activations && M <= int8x::kIntegerRows;
   if (int8_activations && !integers) x = int8x::rounded(x);  // the fp32 kernels below multiply the rounded rows
   const bool tiles = !integers && on_tiles(M, N);
-  if (!integers && !tiles && M >= kDenseFrom) return dense_linear(w, x, N, bias);
+  if (!integers && !tiles && M >= dense_from.load()) return dense_linear(w, x, N, bias);
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -346,7 +425,13 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
     if (q4) out.addmm_(group_sums, m.to(torch::kFloat32).t());  // Q4_1's minimums: sum(x) . m^T per group
 #endif
   } else if (M <= kFewTokens) {
-    few_tokens_linear(w, xp, M, N, op);
+    switch (M) {
+      case 0: break;
+      case 1: few_tokens_linear<1>(w, xp, N, op); break;
+      case 2: few_tokens_linear<2>(w, xp, N, op); break;
+      case 3: few_tokens_linear<3>(w, xp, N, op); break;
+      default: few_tokens_linear<4>(w, xp, N, op); break;
+    }
   } else {
     tiled_linear(w, xp, M, N, op);
   }
@@ -824,6 +909,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_cache", &write_cache, "a step's K or V into its cache slots", no_gil);
   m.def("group_linear", &group_linear, "x @ W^T with W in GGUF groups of 32 (Q4_1 or Q8_0)", py::arg("x"),
         py::arg("qweight"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_activations") = false, no_gil);
+  m.def("set_dense_from", &set_dense_from, "from how many rows of x group_linear takes torch's GEMM");
+  m.def("dense_from", [] { return dense_from.load(); }, "from how many rows of x group_linear takes torch's GEMM");
   m.def("amx_tiles", &amx_tiles, "whether group_linear multiplies on AMX tiles on this host");
   m.def("group_dequantize", &group_dequantize, "a grouped weight as float32", no_gil);
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place", no_gil);

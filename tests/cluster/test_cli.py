@@ -164,7 +164,7 @@ def test_status_shows_each_deployments_replicas_and_the_autoscaling_decision():
             "current_replicas": 2, "target_replicas": 3, "num_replicas": 3,
             "reason": "num_seqs at 1.50x target: above target"}}}, "engine": {"num_running": 4},
         "groups": [{"deployment": "LLMServer", "replica": "r1", "ranks": [{
-            "rank": 0, "quantization": "auto", "weight_formats": {"q4_1": 120, "q8_0": 1},
+            "rank": 0, "quantization": "auto", "weight_formats": {"q4_1": 120, "q8_0": 1}, "dense_from": 512,
             "attention": "paged kernel, layer stack", "kv_cache_dtype": "bfloat16"}]}]}
 
     class Status(http.server.BaseHTTPRequestHandler):
@@ -189,7 +189,7 @@ def test_status_shows_each_deployments_replicas_and_the_autoscaling_decision():
         "Ingress: HEALTHY replicas={'RUNNING': 1}",
         "LLMServer: UPSCALING replicas={'RUNNING': 2, 'STARTING': 1}",
         "  autoscaling: 2 running, Serve's target 3, policy asks 3: num_seqs at 1.50x target: above target",
-        "LLMServer r1 rank 0: quantization auto (weights: 120 q4_1, 1 q8_0); attention: paged kernel, layer stack; "
-        "KV cache: bfloat16",
+        "LLMServer r1 rank 0: quantization auto (weights: 120 q4_1, 1 q8_0; torch's GEMM from 512 rows); attention: "
+        "paged kernel, layer stack; KV cache: bfloat16",
         "  num_running: 4",
     ]

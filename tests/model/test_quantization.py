@@ -7,7 +7,8 @@ import torch
 
 from model.cpu_ops import cpu_ops
 from model.layers import ReplicatedLinear
-from model.quantization import GroupedWeight, Int8Weight, check_mode, quantize_grouped, recover_grouped
+from model.quantization import (DENSE_PROBE_ROWS, NEVER_DENSE, GroupedWeight, Int8Weight, check_mode,
+                                quantize_grouped, recover_grouped)
 
 needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="Pagoda's CPU kernels could not be built here")
 
@@ -51,12 +52,14 @@ def test_a_weight_that_is_not_grouped_stays_dense():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [0, 1, 3, 8, 65, 200])
-def test_group_kernel_equals_fp32_on_the_same_values(rows):
-    """Every batch size the kernel tiles differently (1, odd, > one 64-token block); with a bias."""
+@pytest.mark.parametrize("values", [q4_1_values, q8_0_values])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 65, 200])
+def test_group_kernel_equals_fp32_on_the_same_values(values, rows):
+    """Every batch size the kernel takes differently (1 to 4 rows: each weight row read once for
+    all; 5 on: dequantized tiles, odd, > one 64-token block); with a bias."""
     torch.manual_seed(0)
     layer = ReplicatedLinear(320, 100, bias=True)
-    layer.weight.data.copy_(q4_1_values(100, 320))
+    layer.weight.data.copy_(values(100, 320))
     layer.bias.data.normal_()
     x = torch.randn(rows, 320)
     expected = layer(x)
@@ -65,12 +68,23 @@ def test_group_kernel_equals_fp32_on_the_same_values(rows):
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def dense_from():
+    """Sets from how many rows group_linear takes torch's GEMM (a process-wide choice an engine
+    measures at load), and puts the process's value back afterwards."""
+    before = cpu_ops().dense_from()
+    yield cpu_ops().set_dense_from
+    cpu_ops().set_dense_from(before)
+
+
 @needs_kernels
 @pytest.mark.parametrize("values", [q4_1_values, q8_0_values])
 @pytest.mark.parametrize("rows", [127, 128])
-def test_a_weight_larger_than_one_dequantized_chunk_equals_fp32(values, rows):
-    """From 128 rows on the kernel dequantizes the weight 2M floats at a time for torch's GEMM (an LM
-    head's size: here 3,700 x 576, two chunks, the second of 60 rows); just below, the group kernel."""
+def test_a_weight_larger_than_one_dequantized_chunk_equals_fp32(values, rows, dense_from):
+    """From 128 rows on (as set here) the kernel dequantizes the weight 2M floats at a time for
+    torch's GEMM (an LM head's size: here 3,700 x 576, two chunks, the second of 60 rows); just
+    below, the group kernel."""
+    dense_from(128)
     torch.manual_seed(0)
     weight, bias = values(3700, 576), torch.randn(3700)
     x = torch.randn(rows, 576)
@@ -178,6 +192,10 @@ def test_default_model_is_packed_losslessly(model_dir):
 
     runner = ModelRunner(model_dir, num_blocks=8)
     assert runner.weight_formats == {"q4_1": 120, "q8_0": 1}
+    # Where prefill leaves the group kernel for torch's GEMM: measured at load, set for the process
+    chosen = runner.describe()[0]["dense_from"]
+    assert chosen in DENSE_PROBE_ROWS or chosen is None
+    assert cpu_ops().dense_from() == (chosen or NEVER_DENSE)
 
 
 def test_int8_engine_answers_and_frees_its_blocks(model_dir):
