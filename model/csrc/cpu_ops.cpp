@@ -60,18 +60,18 @@ inline v8i32 widen_i8(const int8_t* p) {
 
 inline v8f to_floats(v8i32 ints) { return __builtin_convertvector(ints, v8f); }
 
-// The grouped weights' products run kLanes floats at a time: twice the arithmetic per instruction
+// The grouped weights' products run kLinearLanes floats at a time: twice the arithmetic per instruction
 // where AVX-512 gives 512-bit registers (on a 2-core AVX-512 host, Q4_1 576 -> 3,072 with the weight
 // hot: one row 45 -> 33 us, 32 rows 720 -> 415 us; docs/benchmarks.md).
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
+constexpr int kLinearLanes = 16;
 #else
-constexpr int kLanes = 8;
+constexpr int kLinearLanes = 8;
 #endif
-typedef float vf __attribute__((vector_size(4 * kLanes)));
-typedef int32_t vi32 __attribute__((vector_size(4 * kLanes)));
+typedef float vf __attribute__((vector_size(4 * kLinearLanes)));
+typedef int32_t vi32 __attribute__((vector_size(4 * kLinearLanes)));
 
-// kLanes bytes -> kLanes ints.
+// kLinearLanes bytes -> kLinearLanes ints.
 #if defined(__AVX512F__)
 inline vi32 widen_lanes_u8(const uint8_t* p) {
   return (vi32)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -96,9 +96,20 @@ inline void store_lanes(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline vf splat_lanes(float x) { return __builtin_shuffle(vf{x}, vi32{}); }  // lane 0 everywhere
 
+// The lanes of v added pairwise into 8 (v itself where it has 8).
+inline v8f fold8(vf v) {
+#if defined(__AVX512F__)
+  const __m512 wide = (__m512)v;
+  return (v8f)_mm256_add_ps(_mm512_castps512_ps256(wide),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide), 1)));
+#else
+  return v;
+#endif
+}
+
 inline float hsum_lanes(vf v) {
   float sum = 0.0f;
-  for (int i = 0; i < kLanes / 2; ++i) sum += v[i] + v[i + kLanes / 2];
+  for (int i = 0; i < kLinearLanes / 2; ++i) sum += v[i] + v[i + kLinearLanes / 2];
   return sum;
 }
 
@@ -132,12 +143,22 @@ inline float hmax(v8f v) {
   return std::max(std::max(std::max(v[0], v[4]), std::max(v[1], v[5])), std::max(std::max(v[2], v[6]), std::max(v[3], v[7])));
 }
 
+// The sums of a[0..4)'s 8 lanes each, into out[0..4).
+inline void sum4(const v8f* a, float* out) {
+#if defined(__AVX__)
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[0], (__m256)a[1]), _mm256_hadd_ps((__m256)a[2], (__m256)a[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  for (int j = 0; j < 4; ++j) out[j] = hsum(a[j]);
+#endif
+}
+
 // One group of 32 weights into out[0..32). Not contracted into an FMA: gguf-py rounds d*q, then
 // adds m, and the fp32 checkpoint holds exactly those values.
 __attribute__((optimize("fp-contract=off"))) inline void dequant_q4_1(const uint8_t* q, float d, float m,
                                                                         float* out) {
   const vf dv = splat_lanes(d), mv = splat_lanes(m);
-  for (int h = 0; h < kGroup / 2; h += kLanes) {  // byte h holds weights h (low nibble) and h + 16
+  for (int h = 0; h < kGroup / 2; h += kLinearLanes) {  // byte h holds weights h (low nibble) and h + 16
     const vi32 bytes = widen_lanes_u8(q + h);
     store_lanes(out + h, lanes_to_floats(bytes & 0xF) * dv + mv);
     store_lanes(out + kGroup / 2 + h, lanes_to_floats(bytes >> 4) * dv + mv);
@@ -146,7 +167,7 @@ __attribute__((optimize("fp-contract=off"))) inline void dequant_q4_1(const uint
 
 inline void dequant_q8_0(const int8_t* q, float d, float* out) {
   const vf dv = splat_lanes(d);
-  for (int i = 0; i < kGroup; i += kLanes) store_lanes(out + i, lanes_to_floats(widen_lanes_i8(q + i)) * dv);
+  for (int i = 0; i < kGroup; i += kLinearLanes) store_lanes(out + i, lanes_to_floats(widen_lanes_i8(q + i)) * dv);
 }
 
 // A grouped weight as raw pointers: Q4_1 when q4 (m set), else Q8_0.
@@ -186,11 +207,11 @@ inline void in_register(vf& v) {
 #endif
 }
 
-// out[i][j] = x[i] . w[j] for MB rows of x and NB rows of w, accumulating kLanes lanes across K.
+// out[i][j] = x[i] . w[j] for MB rows of x and NB rows of w, accumulating kLinearLanes lanes across K.
 template <int MB, int NB>
 inline void micro_gemm(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
   vf acc[MB][NB] = {};
-  for (int64_t k = 0; k < K; k += kLanes) {
+  for (int64_t k = 0; k < K; k += kLinearLanes) {
     vf wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = load_lanes(w + j * K + k);
     for (int i = 0; i < MB; ++i) {
@@ -199,8 +220,14 @@ inline void micro_gemm(const float* x, int64_t ldx, const float* w, int64_t K, f
       for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
     }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) out[i * ldo + j] = hsum_lanes(acc[i][j]);
+  for (int i = 0; i < MB; ++i) {
+    if constexpr (NB == 4) {  // four sums at once: with K a few hundred, one at a time cost a quarter of the loop
+      const v8f folded[4] = {fold8(acc[i][0]), fold8(acc[i][1]), fold8(acc[i][2]), fold8(acc[i][3])};
+      sum4(folded, out + i * ldo);
+    } else {
+      for (int j = 0; j < NB; ++j) out[i * ldo + j] = hsum_lanes(acc[i][j]);
+    }
+  }
 }
 
 // Rows of x per register tile: with 4 rows of W, 2 x 4 accumulators + 4 weights + 1 input fit
@@ -232,7 +259,7 @@ inline void dot_q4_1_rows(const GroupedWeight& w, int64_t n, const float* x, con
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* q = w.q + (n * groups + g) * (kGroup / 2);
     vf partial[T] = {};
-    for (int h = 0; h < kGroup / 2; h += kLanes) {  // byte h holds weights h (low nibble) and h + 16
+    for (int h = 0; h < kGroup / 2; h += kLinearLanes) {  // byte h holds weights h (low nibble) and h + 16
       const vi32 bytes = widen_lanes_u8(q + h);
       const vf low = lanes_to_floats(bytes & 0xF), high = lanes_to_floats(bytes >> 4);
       for (int t = 0; t < T; ++t) {
@@ -258,7 +285,7 @@ inline void dot_q8_0_rows(const GroupedWeight& w, int64_t n, const float* x, flo
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* q = reinterpret_cast<const int8_t*>(w.q) + (n * groups + g) * kGroup;
     vf partial[T] = {};
-    for (int i = 0; i < kGroup; i += kLanes) {
+    for (int i = 0; i < kGroup; i += kLinearLanes) {
       const vf weights = lanes_to_floats(widen_lanes_i8(q + i));
       for (int t = 0; t < T; ++t) partial[t] += weights * load_lanes(x + t * w.K + g * kGroup + i);
     }
@@ -297,7 +324,7 @@ void tiled_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N,
     const int64_t tokens = std::min(kTokenBlock, M - t0);
     at::parallel_for(0, num_row_blocks, 1, [&](int64_t begin, int64_t end) {
       // Vectors, so the rows start on 64-byte lines: a 512-bit load across two lines costs two.
-      std::vector<vf> vectors(kRowBlock * K / kLanes);
+      std::vector<vf> vectors(kRowBlock * K / kLinearLanes);
       float* buf = reinterpret_cast<float*>(vectors.data());
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0 = b * kRowBlock, rows = std::min(kRowBlock, N - n0);
@@ -534,16 +561,6 @@ constexpr int kKeyStep = 8, kValueLanes = 8;
 #else
 constexpr int kKeyStep = 4, kValueLanes = 4;
 #endif
-
-// The sums of a[0..4)'s 8 lanes each, into out[0..4).
-inline void sum4(const v8f* a, float* out) {
-#if defined(__AVX__)
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[0], (__m256)a[1]), _mm256_hadd_ps((__m256)a[2], (__m256)a[3]));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-#else
-  for (int j = 0; j < 4; ++j) out[j] = hsum(a[j]);
-#endif
-}
 
 // G query heads of one KV head group against `len` keys, online softmax; D = 8 * lanes, at most
 // 256. Each key and value is read once for all G heads. kLanes > 0 fixes lanes at compile time
