@@ -12,26 +12,35 @@ on each count, mostly runs the faster one and keeps trying the other now and the
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 EXPLORE_EVERY = 16  # one light step in this many runs on the count not chosen
-SMOOTHING = 0.1  # weight of a new step time in each count's running average
+WINDOW = 8  # each count's last step times; their median is its estimate
+FIRST_SAMPLES = 4  # steps each count takes in turn before the faster is chosen
 
 
 class LightStepThreads:
+    """One step that came out slow (the first token's response written beside it, a burst of the
+    cluster's own work) does not decide: each count is judged by the median of its last WINDOW
+    steps. A running mean seeded by one such step could keep a server on one thread (1.6x slower a
+    step here) for hundreds of steps; one served stream's TPOT was one thread's in a turn of three
+    (docs/benchmarks.md)."""
+
     def __init__(self, threads: int):
         self.choices = (max(1, threads - 1), threads)
-        self.mean_s: dict[int, float | None] = dict.fromkeys(self.choices)
+        self.recent: dict[int, deque[float]] = {choice: deque(maxlen=WINDOW) for choice in self.choices}
         self._num_steps = 0
 
     def pick(self) -> int:
-        """The count for the next light step: each once first, then the faster (the slower one
-        every EXPLORE_EVERY-th step, so a change in the host's load is noticed)."""
-        for choice in self.choices:
-            if self.mean_s[choice] is None:
-                return choice
+        """The count for the next light step: each in turn for FIRST_SAMPLES steps, then the faster
+        (the slower one every EXPLORE_EVERY-th step, so a change in the host's load is noticed)."""
+        untried = [c for c in self.choices if len(self.recent[c]) < FIRST_SAMPLES]
+        if untried:
+            return min(untried, key=lambda c: len(self.recent[c]))
         self._num_steps += 1
-        faster, slower = sorted(self.choices, key=lambda c: self.mean_s[c])
+        faster, slower = sorted(self.choices, key=lambda c: statistics.median(self.recent[c]))
         return slower if self._num_steps % EXPLORE_EVERY == 0 else faster
 
     def record(self, threads: int, seconds: float) -> None:
-        mean = self.mean_s[threads]
-        self.mean_s[threads] = seconds if mean is None else (1 - SMOOTHING) * mean + SMOOTHING * seconds
+        self.recent[threads].append(seconds)
