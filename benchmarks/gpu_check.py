@@ -1,6 +1,6 @@
 """GPU check, one short command for a session that is lent a GPU (about 3-4 minutes on an H200):
 
-    python -m benchmarks.gpu_check --gguf SmolLM2-135M-Instruct.Q4_1.gguf [--out result.json]
+    python -m benchmarks.gpu_check --gguf SmolLM2-135M-Instruct.Q4_1.gguf [--out result.json] [--sections a,b]
 
 1. parity: greedy answers to the parity prompts (tests/parity_prompts.py, 24 tokens each), HF
    transformers on the GPU vs Pagoda's engine on the GPU, token for token (near-ties allowed as
@@ -42,26 +42,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default="cuda", help="cpu: a quick dry run of this script")
     parser.add_argument("--quick", action="store_true", help="3 prompts, batches 1 and 4 (dry runs)")
+    parser.add_argument("--sections", default=None, help="a comma list of the report's section names (default: all)")
     args = parser.parse_args()
     os.environ.setdefault("PAGODA_HOME", tempfile.mkdtemp(prefix="pagoda-gpu-"))
     from cluster.model_fetch import fetch_default_model
 
     global DEVICE
     DEVICE = args.device
-    if DEVICE == "cuda":
-        assert torch.cuda.is_available(), "no CUDA device"
-        report = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count()}
-    else:
-        report = {"device": DEVICE, "gpus": 0}
-    report["torch"] = torch.__version__
-    t0 = time.perf_counter()
-    model_dir = str(fetch_default_model(log=lambda m: None, gguf_path=args.gguf))
-    report["model_prepare_s"] = round(time.perf_counter() - t0, 1)
-
     batches = (1, 4) if args.quick else (1, 32, 128)
     # 128-token prompts at each batch, and one long context, where gathering blocks costs most
     cases = tuple((batch, 128) for batch in batches) + (((4, 512),) if args.quick else ((32, 2048),))
     num_prompts = 3 if args.quick else None
+    model_dir, report = None, {}  # set below; the sections run after
     sections = {
         "parity": lambda: parity(model_dir, num_prompts),
         "decode_step_ms": lambda: step_times(model_dir, cases, flashinfer=False),
@@ -70,7 +62,21 @@ def main() -> None:
         "flashinfer_vs_torch_bf16": lambda: attention_paths_agree(model_dir, num_prompts),
         "tp2_nccl": lambda: tp2(model_dir, report["gpus"]),
     }
-    for name, section in sections.items():  # each one's result (or error) is kept as it comes
+    chosen = args.sections.split(",") if args.sections else list(sections)
+    if unknown := set(chosen) - set(sections):
+        parser.error(f"--sections: unknown {sorted(unknown)}; the sections are {list(sections)}")
+
+    if DEVICE == "cuda":
+        assert torch.cuda.is_available(), "no CUDA device"
+        report.update(device=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count())
+    else:
+        report.update(device=DEVICE, gpus=0)
+    report["torch"] = torch.__version__
+    t0 = time.perf_counter()
+    model_dir = str(fetch_default_model(log=lambda m: None, gguf_path=args.gguf))
+    report["model_prepare_s"] = round(time.perf_counter() - t0, 1)
+    for name in chosen:  # each one's result (or error) is kept as it comes
+        section = sections[name]
         t0 = time.perf_counter()
         try:
             report[name] = section()
