@@ -4,7 +4,9 @@
     python -m benchmarks.cpu_kernels [--rows 1,8,32,256] [--attention-rows 32] [--context 512]
 
 Group kernel: microseconds per product, 2 threads, the weight hot in cache (each product is
-repeated), for random Q4_1 weights (the layers) and Q8_0 (the LM head), and the same values dense.
+repeated), for random Q4_1 weights (the layers) and Q8_0 (the LM head), and the same values dense;
+the group kernel at every row count (an engine takes torch's GEMM from the row count that its
+load-time measurement, printed last, chose).
 Attention: milliseconds for 30 layers' paged_attention calls, `--attention-rows` decode rows at
 `--context` tokens each, 9 query / 3 KV heads of 64, blocks of 16 scattered over a cache larger
 than the L3 (as a server's are), fp32 and bf16 caches, and the bytes of K/V read per second.
@@ -18,7 +20,7 @@ import time
 import torch
 
 from model.cpu_ops import cpu_ops
-from model.quantization import quantize_grouped
+from model.quantization import NEVER_DENSE, choose_dense_from, quantize_grouped
 
 SHAPES = {"qkv 576->960": (576, 960, 4), "gate_up 576->3072": (576, 3072, 4), "down 1536->576": (1536, 576, 4),
           "lm_head 576->49152": (576, 49152, 8)}
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     args = parser.parse_args()
     torch.manual_seed(0)
+    cpu_ops().set_dense_from(NEVER_DENSE)
     print("| shape | x rows | fp32 µs | group µs |\n|---|---:|---:|---:|")
     for name, (k, n, bits) in SHAPES.items():
         grouped = quantize_grouped(torch.randn(n, k) * 0.05, bits)
@@ -49,6 +52,8 @@ def main() -> None:
             fp32 = microseconds(lambda: torch.nn.functional.linear(x, dense))
             group = microseconds(lambda: grouped.linear(x))
             print(f"| {name} | {rows} | {fp32:,.0f} | {group:,.0f} |", flush=True)
+    gate_up = quantize_grouped(torch.randn(3072, 576) * 0.05, 4)
+    print(f"\nload-time choice (gate_up): torch's GEMM from {choose_dense_from(gate_up) or 'no row count'}")
     print(f"\n| paged attention, {args.attention_rows} rows x {args.context} tokens, 30 layers | ms | K/V GB/s |\n|---|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         ms, rate = attention_ms(args.attention_rows, args.context, dtype)

@@ -60,6 +60,11 @@ class GroupedWeight:
     def dequantize(self) -> torch.Tensor:
         return self._ops.group_dequantize(self.qweight, self.d, self.m if self.m is not None else self.d)
 
+    def first_rows(self, n: int) -> GroupedWeight:
+        """The first n output rows (a view of the same bytes, no bias)."""
+        return GroupedWeight(self.qweight[:n], self.d[:n], None if self.m is None else self.m[:n], None,
+                             self.int8_activations)
+
 
 def _groups(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.dim() != 2 or weight.shape[1] % GROUP:
@@ -154,13 +159,15 @@ class Int8Weight:
 # Rows of x (prefill chunks) at which choose_dense_from compares the group kernel with torch's GEMM.
 DENSE_PROBE_ROWS = (128, 512)
 NEVER_DENSE = 1 << 62
+DENSE_PROBE_WEIGHTS = 2 << 20  # at most this many of the weight's values are timed (a big model's load stays short)
 
 
 def choose_dense_from(weight: GroupedWeight, repeats: int = 3) -> int | None:
     """From how many rows of x torch's GEMM of the dequantized weight is faster than the group
-    kernel on this host: timed on `weight` (a model's largest grouped layer) at DENSE_PROBE_ROWS,
-    the fastest of `repeats` each, once at load (~0.1 s on the default model). Sets it for every
+    kernel on this host: timed on `weight` (a model's largest grouped layer; its first ~2M values)
+    at DENSE_PROBE_ROWS, the fastest of `repeats` each, once at load (~0.1 s). Sets it for every
     group_linear of this process and returns it; None: the group kernel at every size."""
+    weight = weight.first_rows(max(GROUP, DENSE_PROBE_WEIGHTS // weight.shape[1]))
     ops, chosen = weight._ops, NEVER_DENSE
 
     def fastest(rows_from: int, x: torch.Tensor) -> float:

@@ -68,6 +68,16 @@ def test_group_kernel_equals_fp32_on_the_same_values(values, rows):
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("values", [q4_1_values, q8_0_values])
+def test_first_rows_of_a_grouped_weight_give_the_first_outputs(values):
+    """What choose_dense_from times on a big model: a view of the weight's first rows."""
+    torch.manual_seed(0)
+    grouped = recover_grouped(values(100, 320), torch.randn(100))
+    x = torch.randn(3, 320)
+    torch.testing.assert_close(grouped.first_rows(40).linear(x), grouped.linear(x)[:, :40] - grouped.bias[:40])
+
+
 @pytest.fixture
 def dense_from():
     """Sets from how many rows group_linear takes torch's GEMM (a process-wide choice an engine
