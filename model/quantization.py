@@ -172,7 +172,7 @@ def choose_dense_from(weight: GroupedWeight, repeats: int = 3) -> int | None:
 
     def fastest(rows_from: int, x: torch.Tensor) -> float:
         ops.set_dense_from(rows_from)
-        weight.linear(x)  # warm: the GEMM's buffers, the weight in cache as a layer's would not be
+        weight.linear(x)  # warm: the GEMM's buffer allocated, the weight in cache, for both paths alike
         times = []
         for _ in range(repeats):
             start = time.perf_counter()

@@ -122,8 +122,8 @@ class ModelRunner:
         # Where prefill chunks leave the group kernel for torch's GEMM, as this host measures it
         # ({} without grouped weights; {"dense_from": None}: the group kernel at every size)
         grouped = [m.packed for m in self.model.modules() if isinstance(getattr(m, "packed", None), GroupedWeight)]
-        self.group_kernel = {"dense_from": choose_dense_from(max(grouped, key=lambda w: w.shape[0] * w.shape[1]))
-                             } if grouped else {}
+        largest = max(grouped, key=lambda w: w.shape[0] * w.shape[1], default=None)
+        self.group_kernel = {} if largest is None else {"dense_from": choose_dense_from(largest)}
         self.model.eval()
         self.num_blocks = num_blocks or max(1, kv_cache_bytes // self.bytes_per_block)
         # One allocation for all layers: [layers, K/V, blocks, kv_heads, block_size, head_dim]

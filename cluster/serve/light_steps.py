@@ -35,9 +35,9 @@ class LightStepThreads:
     def pick(self) -> int:
         """The count for the next light step: each in turn for FIRST_SAMPLES steps, then the faster
         (the slower one every EXPLORE_EVERY-th step, so a change in the host's load is noticed)."""
-        untried = [c for c in self.choices if len(self.recent[c]) < FIRST_SAMPLES]
-        if untried:
-            return min(untried, key=lambda c: len(self.recent[c]))
+        still_timing = [c for c in self.choices if len(self.recent[c]) < FIRST_SAMPLES]
+        if still_timing:
+            return min(still_timing, key=lambda c: len(self.recent[c]))
         self._num_steps += 1
         faster, slower = sorted(self.choices, key=lambda c: statistics.median(self.recent[c]))
         return slower if self._num_steps % EXPLORE_EVERY == 0 else faster
