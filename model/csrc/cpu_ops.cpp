@@ -61,8 +61,8 @@ inline v8i32 widen_i8(const int8_t* p) {
 inline v8f to_floats(v8i32 ints) { return __builtin_convertvector(ints, v8f); }
 
 // The grouped weights' products run kLinearLanes floats at a time: twice the arithmetic per instruction
-// where AVX-512 gives 512-bit registers (on a 2-core AVX-512 host, Q4_1 576 -> 3,072 with the weight
-// hot: one row 45 -> 33 us, 32 rows 720 -> 415 us; docs/benchmarks.md).
+// where AVX-512 gives 512-bit registers (on a 2-core AVX-512 host, with the tiles' changes below, Q4_1
+// 576 -> 3,072 with the weight hot: one row 49 -> 37 us, 32 rows 726 -> 334 us; docs/benchmarks.md).
 #if defined(__AVX512F__)
 constexpr int kLinearLanes = 16;
 #else
