@@ -168,7 +168,7 @@ def choose_dense_from(weight: GroupedWeight, repeats: int = 3) -> int | None:
     at DENSE_PROBE_ROWS, the fastest of `repeats` each, once at load (~0.1 s). Sets it for every
     group_linear of this process and returns it; None: the group kernel at every size."""
     weight = weight.first_rows(max(GROUP, DENSE_PROBE_WEIGHTS // weight.shape[1]))
-    ops, chosen = weight._ops, NEVER_DENSE
+    ops, chosen = cpu_ops(), NEVER_DENSE
 
     def fastest(rows_from: int, x: torch.Tensor) -> float:
         ops.set_dense_from(rows_from)

@@ -32,33 +32,7 @@
 namespace {
 
 typedef float v8f __attribute__((vector_size(32)));
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
-typedef int8_t v8i8 __attribute__((vector_size(8)));
 typedef int32_t v8i32 __attribute__((vector_size(32)));
-
-// 8 bytes -> 8 floats (each byte, or its low or high nibble). GCC scalarizes the generic
-// conversion of byte vectors, so x86 with AVX2 gets the two instructions by name.
-#if defined(__AVX2__)
-inline v8i32 widen_u8(const uint8_t* p) {
-  return (v8i32)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-inline v8i32 widen_i8(const int8_t* p) {
-  return (v8i32)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-#else
-inline v8i32 widen_u8(const uint8_t* p) {
-  v8u8 bytes;
-  std::memcpy(&bytes, p, 8);
-  return __builtin_convertvector(bytes, v8i32);
-}
-inline v8i32 widen_i8(const int8_t* p) {
-  v8i8 bytes;
-  std::memcpy(&bytes, p, 8);
-  return __builtin_convertvector(bytes, v8i32);
-}
-#endif
-
-inline v8f to_floats(v8i32 ints) { return __builtin_convertvector(ints, v8f); }
 
 // The grouped weights' products run kLinearLanes floats at a time: twice the arithmetic per instruction
 // where AVX-512 gives 512-bit registers (on a 2-core AVX-512 host, with the tiles' changes below, Q4_1
@@ -71,7 +45,8 @@ constexpr int kLinearLanes = 8;
 typedef float vf __attribute__((vector_size(4 * kLinearLanes)));
 typedef int32_t vi32 __attribute__((vector_size(4 * kLinearLanes)));
 
-// kLinearLanes bytes -> kLinearLanes ints.
+// kLinearLanes bytes -> kLinearLanes ints (each byte; a mask or shift then takes a nibble). GCC
+// scalarizes the generic conversion of byte vectors, so x86 gets the instructions by name.
 #if defined(__AVX512F__)
 inline vi32 widen_lanes_u8(const uint8_t* p) {
   return (vi32)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -79,9 +54,23 @@ inline vi32 widen_lanes_u8(const uint8_t* p) {
 inline vi32 widen_lanes_i8(const int8_t* p) {
   return (vi32)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+#elif defined(__AVX2__)
+inline vi32 widen_lanes_u8(const uint8_t* p) {
+  return (vi32)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi32 widen_lanes_i8(const int8_t* p) {
+  return (vi32)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
 #else
-inline vi32 widen_lanes_u8(const uint8_t* p) { return widen_u8(p); }
-inline vi32 widen_lanes_i8(const int8_t* p) { return widen_i8(p); }
+template <typename Byte>
+inline vi32 widen_lanes(const Byte* p) {
+  typedef Byte bytes_t __attribute__((vector_size(kLinearLanes)));
+  bytes_t bytes;
+  std::memcpy(&bytes, p, sizeof(bytes));
+  return __builtin_convertvector(bytes, vi32);
+}
+inline vi32 widen_lanes_u8(const uint8_t* p) { return widen_lanes(p); }
+inline vi32 widen_lanes_i8(const int8_t* p) { return widen_lanes(p); }
 #endif
 
 inline vf lanes_to_floats(vi32 ints) { return __builtin_convertvector(ints, vf); }
@@ -105,12 +94,6 @@ inline v8f fold8(vf v) {
 #else
   return v;
 #endif
-}
-
-inline float hsum_lanes(vf v) {
-  float sum = 0.0f;
-  for (int i = 0; i < kLinearLanes / 2; ++i) sum += v[i] + v[i + kLinearLanes / 2];
-  return sum;
 }
 
 // c10::Half's conversion is a function call of some twenty instructions: once per 32 weights it
@@ -138,6 +121,8 @@ inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 inline float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
+
+inline float hsum_lanes(vf v) { return hsum(fold8(v)); }
 
 inline float hmax(v8f v) {
   return std::max(std::max(std::max(v[0], v[4]), std::max(v[1], v[5])), std::max(std::max(v[2], v[6]), std::max(v[3], v[7])));
