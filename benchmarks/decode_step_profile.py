@@ -63,8 +63,10 @@ def decode_profile(llm: LLM, batch: int, context: int, steps: int = 12) -> tuple
     batch at ~context tokens; a mixed step is the same batch plus a new 128-token prompt's prefill
     (what a server runs whenever a request arrives while others decode)."""
     engine = llm.engine
-    # Enough tokens for the steps timed here, and within the context that --batches 1 leaves.
-    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    # Enough tokens that no request ends before the timed steps: the first prompts decode while
+    # the later ones prefill (a chunk of max_num_batched_tokens a step).
+    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=prefill_steps + steps + 16, temperature=0, ignore_eos=True)
     ids = [f"d{batch}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
         engine.add_request(request_id, [1000 + (i * 7 + j) % 30000 for j in range(context)], params)
@@ -78,6 +80,8 @@ def decode_profile(llm: LLM, batch: int, context: int, steps: int = 12) -> tuple
             elapsed = time.perf_counter() - start
         times.append(elapsed)
         shares.append(clock.seconds / elapsed)
+    running = engine.stats().num_running
+    assert running == batch, f"{running} of the batch's {batch} requests still decoding"
     mixed = []
     for r in range(5):
         engine.add_request(f"m{batch}-{r}", [20000 + r * 200 + j for j in range(128)], SamplingParams(max_tokens=1))
@@ -115,8 +119,11 @@ def main() -> None:
             for kv in args.kv_cache_dtypes.split(",")]
     for (label, quantization, kernel, stack), kv_cache_dtype in runs:
         os.environ[decode_stack.SWITCH] = "1" if stack else "0"  # read when the model builds its stack
-        llm = LLM(model_dir, num_blocks=(max(batches) + 1) * (args.context // 16 + 8), quantization=quantization,
-                  max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype)
+        # A request's prompt and what decode_profile decodes of it at most
+        most_tokens = args.context + -(-max(batches) * args.context // 512) + 32
+        llm = LLM(model_dir, num_blocks=(max(batches) + 1) * -(-most_tokens // 16), quantization=quantization,
+                  max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype,
+                  enable_prefix_caching=False)  # every prompt computed, however often it recurs
         runner = llm.engine.executor
         if not kernel:
             runner.kernel_max_queries = 0
