@@ -186,16 +186,22 @@ def step_times(model_dir: str, cases: tuple[tuple[int, int], ...], flashinfer: b
     from cluster import LLM, SamplingParams
 
     steps, block_size = 30, 16
-    num_blocks = max(batch * -(-(prompt_len + steps + 2) // block_size) for batch, prompt_len in cases) + 64
+    # The first prompts decode while later ones prefill (a chunk of `chunk` tokens a step): each
+    # request gets tokens enough to outlast the batch's prefill and the timed steps.
+    chunk = 512
+    prefill_steps = {case: -(-case[0] * case[1] // chunk) for case in cases}
+    num_blocks = max(batch * -(-(prompt_len + prefill_steps[batch, prompt_len] + steps + 2) // block_size)
+                     for batch, prompt_len in cases) + 64
     results = {}
     for dtype in ("bfloat16",) if flashinfer else ("float32", "bfloat16"):
         with attention_path(flashinfer):
             llm = LLM(model_dir, device=DEVICE, dtype=dtype, num_blocks=num_blocks, block_size=block_size,
-                      max_num_seqs=max(batch for batch, _ in cases))
+                      max_num_seqs=max(batch for batch, _ in cases), max_num_batched_tokens=chunk)
         path = _attention(llm)
         engine = llm.engine
         for batch, prompt_len in cases:
-            params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+            params = SamplingParams(max_tokens=prefill_steps[batch, prompt_len] + steps + 2, temperature=0,
+                                    ignore_eos=True)
             ids = [f"b{batch}-{prompt_len}-{i}" for i in range(batch)]
             for i, request_id in enumerate(ids):
                 engine.add_request(request_id, list(range(100 + i, 100 + i + prompt_len)), params)
@@ -208,6 +214,8 @@ def step_times(model_dir: str, cases: tuple[tuple[int, int], ...], flashinfer: b
                 engine.step()
                 _sync()
                 times.append(time.perf_counter() - t)
+            running = engine.stats().num_running
+            assert running == batch, f"{running} of the batch's {batch} requests still decoding"
             for request_id in ids:
                 engine.abort_request(request_id)
             median = statistics.median(times[5:])
