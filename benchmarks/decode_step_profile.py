@@ -34,6 +34,9 @@ CONFIGS = [("fp32 dense, gathered blocks", "none", False, False), ("fp32 dense, 
            ("default (auto), paged kernel, layer stack", "auto", True, True)]
 
 
+PREFILL_CHUNK = 512  # the engine's max_num_batched_tokens here: one prefill chunk a step
+
+
 class AttentionClock:
     """Adds up the wall time of every PagedAttention call (all layers) while installed."""
 
@@ -93,7 +96,7 @@ def decode_profile(llm: LLM, batch: int, context: int, steps: int = 12) -> tuple
     return statistics.median(times[2:]) * 1e3, statistics.median(shares[2:]), statistics.median(mixed[1:]) * 1e3
 
 
-def prefill_ms(llm: LLM, tokens: int = 512, repeats: int = 4) -> float:
+def prefill_ms(llm: LLM, tokens: int = PREFILL_CHUNK, repeats: int = 4) -> float:
     engine = llm.engine
     times = []
     for r in range(repeats):
@@ -120,9 +123,9 @@ def main() -> None:
     for (label, quantization, kernel, stack), kv_cache_dtype in runs:
         os.environ[decode_stack.SWITCH] = "1" if stack else "0"  # read when the model builds its stack
         # A request's prompt and what decode_profile decodes of it at most
-        most_tokens = args.context + -(-max(batches) * args.context // 512) + 32
+        most_tokens = args.context + -(-max(batches) * args.context // PREFILL_CHUNK) + 32
         llm = LLM(model_dir, num_blocks=(max(batches) + 1) * -(-most_tokens // 16), quantization=quantization,
-                  max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype,
+                  max_num_batched_tokens=PREFILL_CHUNK, kv_cache_dtype=kv_cache_dtype,
                   enable_prefix_caching=False)  # every prompt computed, however often it recurs
         runner = llm.engine.executor
         if not kernel:
