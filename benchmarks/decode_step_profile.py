@@ -20,6 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.decode_batch import decoding_batch, tokens_per_request
 from cluster import LLM, SamplingParams
 from cluster.bench.report import markdown_rows, save_rows
 from cluster.model_fetch import fetch_default_model
@@ -35,6 +36,7 @@ CONFIGS = [("fp32 dense, gathered blocks", "none", False, False), ("fp32 dense, 
 
 
 PREFILL_CHUNK = 512  # the engine's max_num_batched_tokens here: one prefill chunk a step
+STEPS, MIXED_STEPS = 12, 5  # decode steps timed, then steps that each add a new prompt
 
 
 class AttentionClock:
@@ -61,38 +63,26 @@ class AttentionClock:
         PagedAttention.__call__ = self._original
 
 
-def decode_profile(llm: LLM, batch: int, context: int, steps: int = 12) -> tuple[float, float, float]:
+def decode_profile(llm: LLM, batch: int, context: int, steps: int = STEPS) -> tuple[float, float, float]:
     """(median step ms, attention share of the step, median ms of a mixed step) for a decode
     batch at ~context tokens; a mixed step is the same batch plus a new 128-token prompt's prefill
     (what a server runs whenever a request arrives while others decode)."""
     engine = llm.engine
-    # Enough tokens that no request ends before the timed steps: the first prompts decode while
-    # the later ones prefill (a chunk of max_num_batched_tokens a step).
-    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
-    params = SamplingParams(max_tokens=prefill_steps + steps + 16, temperature=0, ignore_eos=True)
-    ids = [f"d{batch}-{i}" for i in range(batch)]
-    for i, request_id in enumerate(ids):
-        engine.add_request(request_id, [1000 + (i * 7 + j) % 30000 for j in range(context)], params)
-    while (stats := engine.stats()).num_waiting or stats.num_prefilling:
-        engine.step()
-    times, shares = [], []
-    for _ in range(steps):
-        with AttentionClock() as clock:
+    prompts = [[1000 + (i * 7 + j) % 30000 for j in range(context)] for i in range(batch)]
+    times, shares, mixed = [], [], []
+    with decoding_batch(engine, prompts, steps + MIXED_STEPS, tag=f"d{batch}"):
+        for _ in range(steps):
+            with AttentionClock() as clock:
+                start = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - start
+            times.append(elapsed)
+            shares.append(clock.seconds / elapsed)
+        for r in range(MIXED_STEPS):
+            engine.add_request(f"m{batch}-{r}", [20000 + r * 200 + j for j in range(128)], SamplingParams(max_tokens=1))
             start = time.perf_counter()
             engine.step()
-            elapsed = time.perf_counter() - start
-        times.append(elapsed)
-        shares.append(clock.seconds / elapsed)
-    running = engine.stats().num_running
-    assert running == batch, f"{running} of the batch's {batch} requests still decoding"
-    mixed = []
-    for r in range(5):
-        engine.add_request(f"m{batch}-{r}", [20000 + r * 200 + j for j in range(128)], SamplingParams(max_tokens=1))
-        start = time.perf_counter()
-        engine.step()
-        mixed.append(time.perf_counter() - start)
-    for request_id in ids:
-        engine.abort_request(request_id)
+            mixed.append(time.perf_counter() - start)
     return statistics.median(times[2:]) * 1e3, statistics.median(shares[2:]), statistics.median(mixed[1:]) * 1e3
 
 
@@ -122,8 +112,7 @@ def main() -> None:
             for kv in args.kv_cache_dtypes.split(",")]
     for (label, quantization, kernel, stack), kv_cache_dtype in runs:
         os.environ[decode_stack.SWITCH] = "1" if stack else "0"  # read when the model builds its stack
-        # A request's prompt and what decode_profile decodes of it at most
-        most_tokens = args.context + -(-max(batches) * args.context // PREFILL_CHUNK) + 32
+        most_tokens = tokens_per_request(max(batches), args.context, STEPS + MIXED_STEPS, PREFILL_CHUNK)
         llm = LLM(model_dir, num_blocks=(max(batches) + 1) * -(-most_tokens // 16), quantization=quantization,
                   max_num_batched_tokens=PREFILL_CHUNK, kv_cache_dtype=kv_cache_dtype,
                   enable_prefix_caching=False)  # every prompt computed, however often it recurs

@@ -183,14 +183,11 @@ def _parting(ours: list[int], ref) -> tuple[int, float] | None:
 
 def step_times(model_dir: str, cases: tuple[tuple[int, int], ...], flashinfer: bool) -> dict:
     """Decode step time for each (batch, prompt tokens) case, CUDA-synchronized."""
-    from cluster import LLM, SamplingParams
+    from benchmarks.decode_batch import decoding_batch, tokens_per_request
+    from cluster import LLM
 
-    steps, block_size = 30, 16
-    # The first prompts decode while later ones prefill (a chunk of `chunk` tokens a step): each
-    # request gets tokens enough to outlast the batch's prefill and the timed steps.
-    chunk = 512
-    prefill_steps = {case: -(-case[0] * case[1] // chunk) for case in cases}
-    num_blocks = max(batch * -(-(prompt_len + prefill_steps[batch, prompt_len] + steps + 2) // block_size)
+    steps, block_size, chunk = 30, 16, 512
+    num_blocks = max(batch * -(-tokens_per_request(batch, prompt_len, steps, chunk) // block_size)
                      for batch, prompt_len in cases) + 64
     results = {}
     for dtype in ("bfloat16",) if flashinfer else ("float32", "bfloat16"):
@@ -200,24 +197,15 @@ def step_times(model_dir: str, cases: tuple[tuple[int, int], ...], flashinfer: b
         path = _attention(llm)
         engine = llm.engine
         for batch, prompt_len in cases:
-            params = SamplingParams(max_tokens=prefill_steps[batch, prompt_len] + steps + 2, temperature=0,
-                                    ignore_eos=True)
-            ids = [f"b{batch}-{prompt_len}-{i}" for i in range(batch)]
-            for i, request_id in enumerate(ids):
-                engine.add_request(request_id, list(range(100 + i, 100 + i + prompt_len)), params)
-            while (stats := engine.stats()).num_waiting or stats.num_prefilling:
-                engine.step()
+            prompts = [list(range(100 + i, 100 + i + prompt_len)) for i in range(batch)]
             times = []
-            for _ in range(steps):
-                _sync()
-                t = time.perf_counter()
-                engine.step()
-                _sync()
-                times.append(time.perf_counter() - t)
-            running = engine.stats().num_running
-            assert running == batch, f"{running} of the batch's {batch} requests still decoding"
-            for request_id in ids:
-                engine.abort_request(request_id)
+            with decoding_batch(engine, prompts, steps, tag=f"b{batch}-{prompt_len}"):
+                for _ in range(steps):
+                    _sync()
+                    t = time.perf_counter()
+                    engine.step()
+                    _sync()
+                    times.append(time.perf_counter() - t)
             median = statistics.median(times[5:])
             results[f"{dtype}_{'flashinfer' if flashinfer else 'torch'}_batch{batch}_ctx{prompt_len}"] = {
                 "attention": path, "step_ms": round(median * 1e3, 2), "tok_per_s": round(batch / median, 1)}
