@@ -35,9 +35,15 @@ HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 #   process takes a core from one of the step's two OpenMP threads and holds the other at the
 #   region's end: an idle server's ~2,070 wakeups a second slowed a one-stream step beside it by
 #   1.14-1.16x, ~1,740 with these by 1.09-1.13x (benchmarks/idle_cluster_cost.py). Serve's
-#   autoscaling delays are timed, not counted in loops, so they mean the same.
+#   autoscaling delays are timed, not counted in loops, so they mean the same;
+# - a replica runs its deployment's code on its own event loop, and a handle routes on its
+#   caller's loop, instead of each on a thread of its own: a streamed message then wakes one
+#   thread fewer in each process (one served stream on 2 cores: the Ingress's and LLMServer's
+#   CPU a token ~0.5 and ~0.37 ms -> ~0.34 and ~0.29; docs/benchmarks.md). Pagoda's deployments
+#   run their blocking work on threads of their own (the engine, tokenizing).
 SERVE_ENV_DEFAULTS = {PUSH_INTERVAL_ENV: "2", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-                      "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+                      "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+                      "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 _front_door: FrontDoor | None = None
 
 

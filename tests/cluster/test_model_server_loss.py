@@ -1,0 +1,48 @@
+"""A model server (LLMServer replica) killed mid-stream: its stream ends at once with UNAVAILABLE,
+never a hang or INTERNAL, and the replica Serve starts in its place answers the next requests.
+The Ingress reads a generation's deltas over Serve's gRPC transport (by value), whose failures
+reach it differently from a Ray actor call's: this is where that path meets a dead replica."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from tests.cluster.test_disaggregated_serving import deployed, grpc_request, status
+
+LONG_ANSWER = 400
+
+
+def test_a_model_server_killed_mid_stream_fails_the_stream_unavailable_and_serve_replaces_it(server, model_dir):
+    long_request = grpc_request({"prompt": "Write a long story about a lighthouse keeper."},
+                                max_tokens=LONG_ANSWER, ignore_eos=True)
+    with deployed({**server, "model_dir": model_dir}, "pagoda-lost", "/lost") as app:
+        [model_server] = [g for g in status(app)["groups"] if g["deployment"] == "LLMServer"]
+        stream = app["stub"].Generate(long_request, metadata=app["metadata"], timeout=120)
+        received = len(next(stream).token_ids) + len(next(stream).token_ids)  # streaming has begun
+        os.kill(model_server["replica_pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failure:
+            for response in stream:
+                received += len(response.token_ids)
+        assert time.monotonic() - killed_at < 5.0
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value.details()
+        assert received < LONG_ANSWER
+
+        short = grpc_request({"prompt": "The capital of France is"}, max_tokens=8)
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                tokens = [t for r in app["stub"].Generate(short, metadata=app["metadata"], timeout=60) for t in r.token_ids]
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()  # never anything else meanwhile
+                assert time.monotonic() < deadline, "Serve did not replace the model server"
+                time.sleep(0.5)
+        assert len(tokens) == 8
+        [replacement] = [g for g in status(app)["groups"] if g["deployment"] == "LLMServer"]
+        assert replacement["replica_pid"] != model_server["replica_pid"]
