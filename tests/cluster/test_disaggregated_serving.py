@@ -109,6 +109,21 @@ def parity_answers(app) -> list[list[int]]:
         return list(pool.map(lambda i: answer(app, grpc_request(prompts[i])), SERVER_PARITY))
 
 
+def killed_mid_stream(app, request: pb.GenerateRequest, pid: int, num_tokens: int) -> grpc.RpcError:
+    """Starts `request`'s stream, SIGKILLs process `pid` once two messages have come, and returns
+    the error that ends the stream, checked to come within 5 s and before all `num_tokens`."""
+    stream = app["stub"].Generate(request, metadata=app["metadata"], timeout=120)
+    received = len(next(stream).token_ids) + len(next(stream).token_ids)  # streaming has begun
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(grpc.RpcError) as failure:
+        for response in stream:
+            received += len(response.token_ids)
+    assert time.monotonic() - killed_at < 5.0
+    assert received < num_tokens
+    return failure.value
+
+
 def grpc_health(app) -> str:
     """grpc.health.v1's answer for this application (its name in the metadata, as for any call)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -178,17 +193,9 @@ def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_opens_the_break
         assert grpc_health(app) == "SERVING"
         groups = {g["deployment"]: g for g in status(app)["groups"]}
         victim = groups["LLMServer"]["ranks"][1]["pid"]  # a decode worker actor's process
-        stream = app["stub"].Generate(long_answer, metadata=app["metadata"], timeout=120)
-        received = len(next(stream).token_ids) + len(next(stream).token_ids)  # streaming has begun
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
-        with pytest.raises(grpc.RpcError) as failure:
-            for response in stream:
-                received += len(response.token_ids)
-        assert time.monotonic() - killed_at < 5.0
-        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value.details()
-        assert "worker" in failure.value.details()
-        assert received < 400
+        failure = killed_mid_stream(app, long_answer, victim, 400)
+        assert failure.code() == grpc.StatusCode.UNAVAILABLE, failure.details()
+        assert "worker" in failure.details()
         assert grpc_health(app) == "NOT_SERVING"  # what a Kubernetes readiness probe sees now
 
         # The prefill side let go of everything it held.
