@@ -2,7 +2,7 @@
 against Pagoda's LLMServer in this process without Ray or Serve (`pagoda bench --target engine`),
 on the same workload in the same run: what the serving path costs.
 
-    python -m benchmarks.serving_latency [--levels 1,8,32] [--output-len 64] [--rounds 3]
+    python -m benchmarks.serving_latency [--levels 1,8,32] [--output-len 256] [--rounds 3]
                                          [--workload random --input-len 128]
                                          [--quantization int8-activations] [--engine-in-ingress]
 
@@ -34,7 +34,9 @@ HTTP, GRPC = 18300, 19300
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,8,32")
-    parser.add_argument("--output-len", type=int, default=64)
+    # 256: with 64, one stream's run (4 requests) lasts ~1.5 s here and its ratio spread 1.15-1.72x
+    # between rounds minutes apart (docs/benchmarks.md)
+    parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=1, help="served then in process, this many times in turn")
     parser.add_argument("--workload", choices=["chat", "random"], default="chat")
     parser.add_argument("--input-len", type=int, default=128, help="random prompts' length in tokens")
