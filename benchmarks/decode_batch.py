@@ -13,10 +13,10 @@ from contextlib import contextmanager
 from cluster import SamplingParams
 
 
-def tokens_per_request(batch: int, prompt_len: int, steps: int, chunk: int) -> int:
-    """The most tokens a request of decoding_batch holds (for sizing a KV cache before the engine
+def blocks_per_request(batch: int, prompt_len: int, steps: int, chunk: int, block_size: int) -> int:
+    """The most KV blocks a request of decoding_batch holds (for sizing a cache before the engine
     exists)."""
-    return prompt_len + new_tokens(batch, batch * prompt_len, steps, chunk)
+    return -(-(prompt_len + new_tokens(batch, batch * prompt_len, steps, chunk)) // block_size)
 
 
 def new_tokens(batch: int, prompt_tokens: int, steps: int, chunk: int) -> int:

@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.decode_batch import decoding_batch, tokens_per_request
+from benchmarks.decode_batch import blocks_per_request, decoding_batch
 from cluster import LLM, SamplingParams
 from cluster.bench.report import markdown_rows, save_rows
 from cluster.model_fetch import fetch_default_model
@@ -37,6 +37,7 @@ CONFIGS = [("fp32 dense, gathered blocks", "none", False, False), ("fp32 dense, 
 
 PREFILL_CHUNK = 512  # the engine's max_num_batched_tokens here: one prefill chunk a step
 STEPS, MIXED_STEPS = 12, 5  # decode steps timed, then steps that each add a new prompt
+BLOCK_SIZE = 16  # the engine's default
 
 
 class AttentionClock:
@@ -112,8 +113,8 @@ def main() -> None:
             for kv in args.kv_cache_dtypes.split(",")]
     for (label, quantization, kernel, stack), kv_cache_dtype in runs:
         os.environ[decode_stack.SWITCH] = "1" if stack else "0"  # read when the model builds its stack
-        most_tokens = tokens_per_request(max(batches), args.context, STEPS + MIXED_STEPS, PREFILL_CHUNK)
-        llm = LLM(model_dir, num_blocks=(max(batches) + 1) * -(-most_tokens // 16), quantization=quantization,
+        most_blocks = blocks_per_request(max(batches), args.context, STEPS + MIXED_STEPS, PREFILL_CHUNK, BLOCK_SIZE)
+        llm = LLM(model_dir, num_blocks=(max(batches) + 1) * most_blocks, quantization=quantization,
                   max_num_batched_tokens=PREFILL_CHUNK, kv_cache_dtype=kv_cache_dtype,
                   enable_prefix_caching=False)  # every prompt computed, however often it recurs
         runner = llm.engine.executor

@@ -183,11 +183,11 @@ def _parting(ours: list[int], ref) -> tuple[int, float] | None:
 
 def step_times(model_dir: str, cases: tuple[tuple[int, int], ...], flashinfer: bool) -> dict:
     """Decode step time for each (batch, prompt tokens) case, CUDA-synchronized."""
-    from benchmarks.decode_batch import decoding_batch, tokens_per_request
+    from benchmarks.decode_batch import blocks_per_request, decoding_batch
     from cluster import LLM
 
     steps, block_size, chunk = 30, 16, 512
-    num_blocks = max(batch * -(-tokens_per_request(batch, prompt_len, steps, chunk) // block_size)
+    num_blocks = max(batch * blocks_per_request(batch, prompt_len, steps, chunk, block_size)
                      for batch, prompt_len in cases) + 64
     results = {}
     for dtype in ("bfloat16",) if flashinfer else ("float32", "bfloat16"):

@@ -46,7 +46,9 @@ class LocalHandle:
     def __init__(self, target, stream: bool = False):
         self._target, self._stream = target, stream
 
-    def options(self, stream: bool = False) -> LocalHandle:
+    def options(self, stream: bool = False, _by_reference: bool = True) -> LocalHandle:
+        """`_by_reference`, how Serve carries a call's values between processes, has nothing to
+        carry in process."""
         return LocalHandle(self._target, stream)
 
     def __getattr__(self, name: str) -> _LocalMethod:

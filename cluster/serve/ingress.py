@@ -202,11 +202,6 @@ class Ingress:
             self.check_health = self._server.check_health
             self.record_autoscaling_stats = self._server.record_autoscaling_stats
         self.llm = llm_server  # DeploymentHandle to LLMServer, or LocalHandle to the one above
-        # A generation's deltas come over Serve's gRPC transport, by value, rather than as Ray
-        # objects: each message then skips Ray's object machinery in both processes
-        # (docs/benchmarks.md: served one-stream TPOT on a 2-core node). What the LLMServer
-        # returns by reference (its prefill's KV) is not asked for over this handle.
-        self._stream_options = {"stream": True} if self._server is not None else {"stream": True, "_by_reference": False}
         self.cors_allowed_origins = list(cors_allowed_origins or [])  # browsers' origins allowed to call
         # The TenantLedger: admission under the tenants' limits, usage, cancellation by id
         # (cluster/serve/ledger.py). A DeploymentHandle, or LocalHandle to this replica's own.
@@ -346,7 +341,11 @@ class Ingress:
                     media = await self._encode(media)
             request = GenerationRequest(request_id, token_ids, params, timeout_s, media, tenant, cache_salt,
                                         self._weights.get(tenant, 1.0))
-            stream = self.llm.options(**self._stream_options).generate.remote(request)
+            # The deltas come over Serve's gRPC transport, by value, not as Ray objects: a message
+            # then skips Ray's object machinery in both processes (docs/benchmarks.md: one served
+            # stream's CPU a token on a 2-core node). The prefill's KV references, which must stay
+            # Ray objects, never cross this handle.
+            stream = self.llm.options(stream=True, _by_reference=False).generate.remote(request)
         except BaseException:
             self._llm_breaker.forget(probe)
             self._finish(tenant, request_id, meter, "error")

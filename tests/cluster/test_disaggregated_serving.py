@@ -124,6 +124,21 @@ def killed_mid_stream(app, request: pb.GenerateRequest, pid: int, num_tokens: in
     return failure.value
 
 
+def answer_once_replaced(app, request: pb.GenerateRequest, timeout_s: float = 240) -> tuple[list[int], list[str]]:
+    """Sends `request` until a replica Serve started in place of a killed one answers it: the
+    answer's tokens and the refusals before it, each checked to be UNAVAILABLE."""
+    deadline = time.monotonic() + timeout_s
+    refusals = []
+    while True:
+        try:
+            return answer(app, request, timeout=60), refusals
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()  # never anything else
+            refusals.append(e.details())
+            assert time.monotonic() < deadline, "Serve did not replace the killed replica"
+            time.sleep(0.5)
+
+
 def grpc_health(app) -> str:
     """grpc.health.v1's answer for this application (its name in the metadata, as for any call)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -207,18 +222,7 @@ def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_opens_the_break
         # Serve replaces the unhealthy decode replica (and its workers); then requests succeed.
         # The ingress's circuit breaker opens on those failures: later requests are refused at once,
         # without reaching the broken replica, until a probe succeeds.
-        short = grpc_request({"prompt": "The capital of France is"}, max_tokens=8)
-        deadline = time.monotonic() + 240
-        refusals = []
-        while True:
-            try:
-                tokens = answer(app, short, timeout=60)
-                break
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()  # never anything else
-                refusals.append(e.details())
-                assert time.monotonic() < deadline, "Serve did not replace the decode replica"
-                time.sleep(0.5)
+        tokens, refusals = answer_once_replaced(app, grpc_request({"prompt": "The capital of France is"}, max_tokens=8))
         assert len(tokens) == 8
         assert any("circuit breaker open" in r for r in refusals), refusals
         breaker = requests.get(f"{app['http']}/v1/pagoda/stats", timeout=60).json()["circuit_breakers"]["LLMServer"]

@@ -5,11 +5,10 @@ reach it differently from a Ray actor call's: this is where that path meets a de
 
 from __future__ import annotations
 
-import time
-
 import grpc
 
-from tests.cluster.test_disaggregated_serving import deployed, grpc_request, killed_mid_stream, status
+from tests.cluster.test_disaggregated_serving import (answer_once_replaced, deployed, grpc_request, killed_mid_stream,
+                                                      status)
 
 LONG_ANSWER = 400
 
@@ -22,16 +21,7 @@ def test_a_model_server_killed_mid_stream_fails_the_stream_unavailable_and_serve
         failure = killed_mid_stream(app, long_request, model_server["replica_pid"], LONG_ANSWER)
         assert failure.code() == grpc.StatusCode.UNAVAILABLE, failure.details()
 
-        short = grpc_request({"prompt": "The capital of France is"}, max_tokens=8)
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                tokens = [t for r in app["stub"].Generate(short, metadata=app["metadata"], timeout=60) for t in r.token_ids]
-                break
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()  # never anything else meanwhile
-                assert time.monotonic() < deadline, "Serve did not replace the model server"
-                time.sleep(0.5)
+        tokens, _ = answer_once_replaced(app, grpc_request({"prompt": "The capital of France is"}, max_tokens=8))
         assert len(tokens) == 8
         [replacement] = [g for g in status(app)["groups"] if g["deployment"] == "LLMServer"]
         assert replacement["replica_pid"] != model_server["replica_pid"]
