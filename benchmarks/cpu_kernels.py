@@ -6,7 +6,8 @@
 Group kernel: microseconds per product, 2 threads, the weight hot in cache (each product is
 repeated), for random Q4_1 weights (the layers) and Q8_0 (the LM head), and the same values dense;
 the group kernel at every row count (an engine takes torch's GEMM from the row count that its
-load-time measurement, printed last, chose).
+load-time measurement, printed last, chose); then the same weights with activations rounded to
+int8 (`quantization: "int8-activations"`).
 Attention: milliseconds for 30 layers' paged_attention calls, `--attention-rows` decode rows at
 `--context` tokens each, 9 query / 3 KV heads of 64, blocks of 16 scattered over a cache larger
 than the L3 (as a server's are), fp32 and bf16 caches, and the bytes of K/V read per second.
@@ -20,7 +21,7 @@ import time
 import torch
 
 from model.cpu_ops import cpu_ops
-from model.quantization import NEVER_DENSE, choose_dense_from, quantize_grouped
+from model.quantization import NEVER_DENSE, GroupedWeight, choose_dense_from, quantize_grouped
 
 SHAPES = {"qkv 576->960": (576, 960, 4), "gate_up 576->3072": (576, 3072, 4), "down 1536->576": (1536, 576, 4),
           "lm_head 576->49152": (576, 49152, 8)}
@@ -43,15 +44,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     cpu_ops().set_dense_from(NEVER_DENSE)
-    print("| shape | x rows | fp32 µs | group µs |\n|---|---:|---:|---:|")
+    print("| shape | x rows | fp32 µs | group µs | int8 activations µs |\n|---|---:|---:|---:|---:|")
     for name, (k, n, bits) in SHAPES.items():
         grouped = quantize_grouped(torch.randn(n, k) * 0.05, bits)
         dense = grouped.dequantize()
+        int8x = GroupedWeight(grouped.qweight, grouped.d, grouped.m, None, int8_activations=True)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k)
             fp32 = microseconds(lambda: torch.nn.functional.linear(x, dense))
             group = microseconds(lambda: grouped.linear(x))
-            print(f"| {name} | {rows} | {fp32:,.0f} | {group:,.0f} |", flush=True)
+            integers = microseconds(lambda: int8x.linear(x))
+            print(f"| {name} | {rows} | {fp32:,.0f} | {group:,.0f} | {integers:,.0f} |", flush=True)
     gate_up = quantize_grouped(torch.randn(3072, 576) * 0.05, 4)
     print(f"\nload-time choice (gate_up): torch's GEMM from {choose_dense_from(gate_up) or 'no row count'}")
     print(f"\n| paged attention, {args.attention_rows} rows x {args.context} tokens, 30 layers | ms | K/V GB/s |\n|---|---:|---:|")

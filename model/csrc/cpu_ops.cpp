@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -429,7 +430,7 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   if (q4) TORCH_CHECK(m.scalar_type() == torch::kFloat16 && m.sizes() == d.sizes(), "Q4_1 needs m like d");
   const GroupedWeight w{static_cast<const uint8_t*>(qweight.data_ptr()), d.data_ptr<at::Half>(),
                         q4 ? m.data_ptr<at::Half>() : nullptr, K, q4};
-  const bool integers = int8_activations && M <= int8x::kIntegerRows;
+  const bool integers = int8_activations && int8x::on_integers(M);
   if (int8_activations && !integers) x = int8x::rounded(x);  // the fp32 kernels below multiply the rounded rows
   const bool tiles = !integers && on_tiles(M, N);
   if (!integers && !tiles && M >= dense_from.load()) return dense_linear(w, x, N, bias);

@@ -121,21 +121,24 @@ def test_batches_on_amx_tiles_equal_fp32(values, rows):
 
 
 def rounded_per_group(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 per group of 32 (scale max|x| / 127), back in float64: llama.cpp's Q8_0."""
-    groups = x.double().reshape(x.shape[0], -1, 32)
+    """x rounded to int8 per group of 32 (scale max|x| / 127, x times its fp32 inverse rounded to
+    nearest, as the kernel and llama.cpp's Q8_0 round), back in float64."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
     scale = groups.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(groups / scale.clamp(min=1e-300)) * scale).reshape(x.shape)
+    q = torch.round(groups * (1 / scale.clamp(min=1e-30)))
+    return (q.double() * scale.double()).reshape(x.shape)
 
 
 @needs_kernels
 @pytest.mark.parametrize("values", [q4_1_values, q8_0_values])
-@pytest.mark.parametrize("rows", [1, 2, 3, 40, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 40, 130])
 def test_int8_activations_multiply_the_rounded_x_by_the_exact_weights(values, rows):
     """With int8 activations a product is W . x-rounded, whichever kernel takes the rows: integers
-    for one or two rows, the fp32 kernels (tiles, group kernel, torch's GEMM) on the rounded x
-    beyond; so a row's result is the same alone as in a batch up to fp32 rounding."""
+    a row of W at a time for one or two rows; beyond, W's tiles of 16 rows on 512-bit VNNI (200
+    rows of W: 12 tiles and 8 rows past them; 7 rows of x: passes of 4, 2 and 1), else the fp32
+    kernels on the rounded x; so a row's result is the same alone as in a batch up to fp32 rounding."""
     torch.manual_seed(0)
-    weight, bias = values(192, 576), torch.randn(192)
+    weight, bias = values(200, 576), torch.randn(200)
     x = torch.randn(rows, 576)
     grouped = recover_grouped(weight, bias, int8_activations=True)
     assert grouped.kind.endswith("_x_int8")
