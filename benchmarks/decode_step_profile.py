@@ -7,8 +7,9 @@ call), for the weight formats and attention paths Pagoda has, in one session on 
 Configurations: dense fp32 weights with gathered-block attention (the path before the CPU
 kernels), dense fp32 with the paged kernel, and the default (on the default model: its GGUF's own
 Q4_1 / Q8_0 groups) with the paged kernel, through the Python layers and through the C++ layer
-stack (the default). Also one 512-token prefill chunk per configuration. Each configuration runs
-once per KV cache dtype asked for (`kv_cache_dtype`; auto: the model's, fp32).
+stack (the default); `--configs 4,5`: the default's groups times activations rounded to int8
+(`int8-activations`), the same two ways. Also one 512-token prefill chunk per configuration. Each
+configuration runs once per KV cache dtype asked for (`kv_cache_dtype`; auto: the model's, fp32).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from model.loader import dtype_name
 # Python layers' attention calls, so the stack's rows have none.
 CONFIGS = [("fp32 dense, gathered blocks", "none", False, False), ("fp32 dense, paged kernel", "none", True, False),
            ("default (auto), paged kernel", "auto", True, False),
-           ("default (auto), paged kernel, layer stack", "auto", True, True)]
+           ("default (auto), paged kernel, layer stack", "auto", True, True),
+           ("int8 activations, paged kernel", "int8-activations", True, False),
+           ("int8 activations, paged kernel, layer stack", "int8-activations", True, True)]
 
 
 PREFILL_CHUNK = 512  # the engine's max_num_batched_tokens here: one prefill chunk a step

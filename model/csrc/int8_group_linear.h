@@ -7,7 +7,8 @@
 // times the rounded x (with x's exact sum there, the error of the uncentred q * xq would not
 // cancel: 2-3x larger). Lossy against the fp32 product (the perplexity cost is in
 // docs/benchmarks.md); a group of 32 weights takes a few instructions instead of the fp32 kernel's
-// ~16. More rows of x go through the fp32 kernels as `rounded(x)`: the same products in another
+// ~16. One or two rows of x go a row of W at a time; more take W's tiles of 16 rows where the host
+// has 512-bit VNNI, else the fp32 kernels multiply `rounded(x)`: the same products in another
 // order. A row's product is thus the same alone as in a batch up to fp32 rounding, but rounding x
 // to int8 can turn such a difference into one int8 step of a later layer's input, so greedy tokens
 // may part between a request decoded alone and in a batch (llama.cpp's do too).
