@@ -33,11 +33,11 @@ def run_bench(
     returns the result file's dict. An in-process HF target batches up to the concurrency level
     unless max_batch is given; an in-process engine target takes engine_options."""
     tokenizer = _tokenizer(tokenizer_dir)
-    requests = workloads.build(spec, tokenizer)
     # Warm-up prompts of their own, so that no measured request finds its prompt cached.
     warmup_requests = workloads.build(replace(spec, seed=spec.seed + 1_000_003), tokenizer)[:warmup]
     runs = []
-    for concurrency in concurrencies:
+    for index, concurrency in enumerate(concurrencies):
+        requests = workloads.build(level_workload(spec, index), tokenizer)
         backend = make_backend(target, ignore_eos=ignore_eos, max_batch=max_batch or concurrency,
                                engine_options=engine_options)
         records, duration = asyncio.run(
@@ -89,13 +89,23 @@ def run_ramp_bench(target: str, spec: workloads.WorkloadSpec, ramp_spec, *, labe
     return result
 
 
+def level_workload(spec: workloads.WorkloadSpec, index: int) -> workloads.WorkloadSpec:
+    """The workload of a run's index-th concurrency level: prompts of its own (the first level keeps
+    spec's seed), so that no level finds an earlier level's prompts in a server's prefix cache. With
+    one seed for all, the first 64 prompts of a 64-stream level were the 32-stream level's, cached
+    by Pagoda but not by peers restarted per level (docs/benchmarks.md)."""
+    return replace(spec, seed=spec.seed + index)
+
+
 def run_levels(label: str, levels: list[int], spec: workloads.WorkloadSpec, target_at, num_prompts_at=None, **options) -> dict:
     """One result with a run per concurrency level. `target_at(level)` is a context manager that
     yields the target for that level (a peer may be restarted per level, e.g. with as many slots as
     requests); `num_prompts_at(level)` sizes each level's workload (default: spec.num_prompts)."""
     runs = []
-    for level in levels:
-        level_spec = replace(spec, num_prompts=num_prompts_at(level)) if num_prompts_at else spec
+    for index, level in enumerate(levels):
+        level_spec = level_workload(spec, index)
+        if num_prompts_at:
+            level_spec = replace(level_spec, num_prompts=num_prompts_at(level))
         with target_at(level) as target:
             result = run_bench(target, level_spec, label=label, concurrencies=[level], **options)
         runs += result["runs"]

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from cluster.bench.bench import level_workload
 from cluster.bench.workloads import WorkloadSpec, build
 
 
@@ -41,3 +42,12 @@ def test_probe_codes_are_unique(tokenizer):
 def test_bad_specs_are_clear_errors(tokenizer, spec, message):
     with pytest.raises(ValueError, match=message):
         build(spec, tokenizer)
+
+
+def test_each_level_of_a_run_sends_prompts_of_its_own(tokenizer):
+    """A 64-stream level after a 32-stream one must not find the 32's prompts in a server's prefix
+    cache: each level's prompts are new, the first level's those of the spec's own seed."""
+    spec = WorkloadSpec("random", num_prompts=64, input_len=64, output_len=8)
+    first, second = (build(level_workload(spec, index), tokenizer) for index in (0, 1))
+    assert [r.prompt for r in first] == [r.prompt for r in build(spec, tokenizer)]
+    assert not {r.prompt for r in first} & {r.prompt for r in second}
