@@ -17,7 +17,9 @@ decode reads ~0.63 byte per weight instead of 4 with the same numbers.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -162,31 +164,52 @@ NEVER_DENSE = 1 << 62
 DENSE_PROBE_WEIGHTS = 2 << 20  # at most this many of the weight's values are timed (a big model's load stays short)
 
 
-def choose_dense_from(weight: GroupedWeight, repeats: int = 3) -> int | None:
+def choose_dense_from(weight: GroupedWeight, rounds: int = 5) -> int | None:
     """From how many rows of x torch's GEMM of the dequantized weight is faster than the group
     kernel on this host: timed on `weight` (a model's largest grouped layer; its first ~2M values)
-    at DENSE_PROBE_ROWS, the fastest of `repeats` each, once at load (~0.1 s). Sets it for every
-    group_linear of this process and returns it; None: the group kernel at every size."""
+    at DENSE_PROBE_ROWS, once at load (~0.2 s). Sets it for every group_linear of this process and
+    returns it; None: the group kernel at every size."""
     weight = weight.first_rows(max(GROUP, DENSE_PROBE_WEIGHTS // weight.shape[1]))
     ops, chosen = cpu_ops(), NEVER_DENSE
 
-    def fastest(rows_from: int, x: torch.Tensor) -> float:
-        ops.set_dense_from(rows_from)
-        weight.linear(x)  # warm: the GEMM's buffer allocated, the weight in cache, for both paths alike
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            weight.linear(x)
-            times.append(time.perf_counter() - start)
-        return min(times)
+    def run_with(rows_from: int, x: torch.Tensor) -> Callable[[], object]:
+        def run():
+            ops.set_dense_from(rows_from)
+            return weight.linear(x)
+        return run
 
     for rows in DENSE_PROBE_ROWS:
         x = torch.randn(rows, weight.shape[1])
-        if fastest(1, x) < fastest(NEVER_DENSE, x):
+        if faster_in_turns(run_with(1, x), than=run_with(NEVER_DENSE, x), rounds=rounds):
             chosen = rows
             break
     ops.set_dense_from(chosen)
     return None if chosen == NEVER_DENSE else chosen
+
+
+def faster_in_turns(candidate: Callable[[], object], than: Callable[[], object], rounds: int,
+                    clock: Callable[[], float] = time.perf_counter) -> bool:
+    """Whether `candidate` runs faster than `than`: each warmed once, then timed in turns, and the
+    median of the rounds' time ratios below 1. A process starting beside busy ones (a replica
+    scaled up on a loaded node) has its timings stretched by whoever holds the cores at the moment:
+    a pair timed back to back shares that moment, where the fastest of each path timed apart did
+    not (it chose torch's GEMM from 512 rows in 2 of 6 loads beside two busy processes here, and
+    the process's prefill ran 1.5x slower for its whole life)."""
+
+    def timed(run: Callable[[], object]) -> float:
+        start = clock()
+        run()
+        return clock() - start
+
+    candidate(), than()  # warm: buffers allocated, the weight in cache, for both alike
+    ratios = []
+    for round_ in range(rounds):  # which goes first alternates: neither always finds the cache the other left
+        if round_ % 2:
+            theirs, ours = timed(than), timed(candidate)
+        else:
+            ours, theirs = timed(candidate), timed(than)
+        ratios.append(ours / max(theirs, 1e-9))
+    return statistics.median(ratios) < 1.0
 
 
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, mode: str) -> PackedWeight | None:

@@ -310,20 +310,23 @@ void few_tokens_linear(const GroupedWeight& w, const float* x, int64_t N, float*
   });
 }
 
-// The group kernel: 4 rows of W dequantized at a time, times blocks of up to 64 rows of x.
+// The group kernel: 4 rows of W dequantized at a time, times blocks of up to 64 rows of x. One
+// parallel region a call, each thread keeping its share of W's rows for every block of x: with a
+// region per block of x (8 for a 512-row prefill chunk) each region's end waited for the slower
+// thread, and a core lent to another process for a few ms held the whole call at every one.
 void tiled_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N, float* op) {
   const int64_t K = w.K;
   const int64_t num_row_blocks = (N + kRowBlock - 1) / kRowBlock;
-  for (int64_t t0 = 0; t0 < M; t0 += kTokenBlock) {
-    const int64_t tokens = std::min(kTokenBlock, M - t0);
-    at::parallel_for(0, num_row_blocks, 1, [&](int64_t begin, int64_t end) {
-      // Vectors, so the rows start on 64-byte lines: a 512-bit load across two lines costs two.
-      std::vector<vf> vectors(kRowBlock * K / kLinearLanes);
-      float* buf = reinterpret_cast<float*>(vectors.data());
+  at::parallel_for(0, num_row_blocks, 1, [&](int64_t begin, int64_t end) {
+    // Vectors, so the rows start on 64-byte lines: a 512-bit load across two lines costs two.
+    std::vector<vf> vectors(kRowBlock * K / kLinearLanes);
+    float* buf = reinterpret_cast<float*>(vectors.data());
+    for (int64_t t0 = 0; t0 < M; t0 += kTokenBlock) {
+      const int64_t tokens = std::min(kTokenBlock, M - t0);
+      const float* xs = xp + t0 * K;
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0 = b * kRowBlock, rows = std::min(kRowBlock, N - n0);
         dequant_rows(w, n0, rows, buf);
-        const float* xs = xp + t0 * K;
         float* o = op + t0 * N + n0;
         switch (rows) {
           case 4: rows_times_block<4>(xs, tokens, K, buf, o, N); break;
@@ -332,8 +335,8 @@ void tiled_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N,
           default: rows_times_block<1>(xs, tokens, K, buf, o, N); break;
         }
       }
-    });
-  }
+    }
+  });
 }
 
 // From this many rows of x on (a prefill chunk, a step with one), group_linear dequantizes the

@@ -8,6 +8,7 @@ import torch
 from model.cpu_ops import cpu_ops
 from model.layers import ReplicatedLinear
 from model.quantization import (DENSE_PROBE_ROWS, NEVER_DENSE, GroupedWeight, Int8Weight, check_mode,
+                                faster_in_turns,
                                 quantize_grouped, recover_grouped)
 
 needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="Pagoda's CPU kernels could not be built here")
@@ -209,6 +210,35 @@ def test_default_model_is_packed_losslessly(model_dir):
     chosen = runner.describe()[0]["dense_from"]
     assert chosen in DENSE_PROBE_ROWS or chosen is None
     assert cpu_ops().dense_from() == (chosen or NEVER_DENSE)
+
+
+class BusyHost:
+    """A clock for faster_in_turns: each call of a path takes its own time times how busy the host
+    is at that moment, which changes from one pair of calls to the next (warming included)."""
+
+    def __init__(self, busy: list[float]):
+        self.now, self.calls, self.busy = 0.0, 0, busy
+
+    def clock(self) -> float:
+        return self.now
+
+    def path(self, seconds: float):
+        def run():
+            self.now += seconds * self.busy[self.calls // 2 % len(self.busy)]
+            self.calls += 1
+        return run
+
+
+@pytest.mark.parametrize("busy", [[1.0], [1.0, 1.0, 9.0, 9.0, 9.0, 9.0], [6.0, 1.0, 1.0, 6.0, 1.0, 6.0]])
+def test_faster_in_turns_compares_the_two_paths_at_the_same_moments(busy):
+    """The load-time choice of prefill's GEMM: the faster path wins however busy the host is, so
+    long as a pair of timings shares the moment (with the second pattern the fastest of each path,
+    timed one path after the other, would take the slower: its timings all fell in the quiet
+    moments)."""
+    host = BusyHost(busy)
+    assert not faster_in_turns(host.path(1.5), than=host.path(1.0), rounds=5, clock=host.clock)
+    host = BusyHost(busy)
+    assert faster_in_turns(host.path(1.0), than=host.path(1.5), rounds=5, clock=host.clock)
 
 
 def test_int8_engine_answers_and_frees_its_blocks(model_dir):
