@@ -825,7 +825,17 @@ void write_cache(torch::Tensor cache, torch::Tensor values, torch::Tensor slot_b
                   row_bytes);
 }
 
+// SiLU of 8 values: g * sigmoid(g), the sigmoid from e^-|g| (exp8 takes x <= 0), so that no
+// term overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+inline v8f silu8(v8f g) {
+  const v8f e = exp8(g < 0 ? g : -g);
+  const v8f positive = splat(1.0f) / (splat(1.0f) + e);
+  return g * (g < 0 ? e * positive : positive);
+}
+
 // SiLU(gate) * up for x = [gate | up] ([T, 2I]) -> [T, I] (the layer stack's; Python uses torch's).
+// Vectorized and across threads from a few rows: scalar and on one thread (libm's expf per
+// value), a batch of 32 spent ~8 % of its decode step here while the other thread waited.
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) % 2 == 0, "x must be [T, 2I] float32");
   x = x.contiguous();
@@ -833,11 +843,22 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   auto out = torch::empty({T, I}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < I; ++i) {
-      const float gate = xp[t * 2 * I + i];
-      op[t * I + i] = gate / (1.0f + std::exp(-gate)) * xp[t * 2 * I + I + i];
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* gate = xp + t * 2 * I;
+      const float* up = gate + I;
+      float* row = op + t * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) store8(row + i, silu8(load8(gate + i)) * load8(up + i));
+      if (i < I) {  // the last few, through a zero-padded vector
+        float g[8] = {}, u[8] = {}, r[8];
+        std::memcpy(g, gate + i, (I - i) * sizeof(float));
+        std::memcpy(u, up + i, (I - i) * sizeof(float));
+        store8(r, silu8(load8(g)) * load8(u));
+        std::memcpy(row + i, r, (I - i) * sizeof(float));
+      }
     }
+  });
   return out;
 }
 
@@ -920,6 +941,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("rms_norm", &rms_norm, "RMSNorm, with the residual added first when given", no_gil);
   m.def("rotary", &rotary, "rotate-half rotary embedding of q and k", no_gil);
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of x = [gate | up]", no_gil);
   m.def("write_cache", &write_cache, "a step's K or V into its cache slots", no_gil);
   m.def("group_linear", &group_linear, "x @ W^T with W in GGUF groups of 32 (Q4_1 or Q8_0)", py::arg("x"),
         py::arg("qweight"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_activations") = false, no_gil);
