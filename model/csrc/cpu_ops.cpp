@@ -147,15 +147,30 @@ inline void sum4(const v8f* a, float* out) {
 #endif
 }
 
-// One group of 32 weights into out[0..32). Not contracted into an FMA: gguf-py rounds d*q, then
-// adds m, and the fp32 checkpoint holds exactly those values.
-__attribute__((optimize("fp-contract=off"))) inline void dequant_q4_1(const uint8_t* q, float d, float m,
-                                                                        float* out) {
+// The compiler sees v change here: it keeps v in a register (no memory operand in its place) and
+// fuses no arithmetic across this point into one instruction (an FMA).
+inline void opaque(vf& v) {
+#if defined(__x86_64__) && defined(__AVX__)
+  asm("" : "+v"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#else
+  (void)v;  // targets without FMA: nothing to fuse
+#endif
+}
+
+// One group of 32 weights into out[0..32). gguf-py rounds d*q, then adds m, and the fp32 checkpoint
+// holds exactly those values: not one FMA (an optimize("fp-contract=off") attribute kept that too,
+// but also kept the function from being inlined: a call and a vzeroupper every 32 weights).
+inline void dequant_q4_1(const uint8_t* q, float d, float m, float* out) {
   const vf dv = splat_lanes(d), mv = splat_lanes(m);
   for (int h = 0; h < kGroup / 2; h += kLinearLanes) {  // byte h holds weights h (low nibble) and h + 16
     const vi32 bytes = widen_lanes_u8(q + h);
-    store_lanes(out + h, lanes_to_floats(bytes & 0xF) * dv + mv);
-    store_lanes(out + kGroup / 2 + h, lanes_to_floats(bytes >> 4) * dv + mv);
+    vf low = lanes_to_floats(bytes & 0xF) * dv, high = lanes_to_floats(bytes >> 4) * dv;
+    opaque(low);
+    opaque(high);
+    store_lanes(out + h, low + mv);
+    store_lanes(out + kGroup / 2 + h, high + mv);
   }
 }
 
@@ -175,30 +190,17 @@ struct GroupedWeight {
 
 // Rows [n0, n0 + rows) of W dequantized into buf (rows x K, row-major).
 void dequant_rows(const GroupedWeight& w, int64_t n0, int64_t rows, float* buf) {
-  const int64_t groups = w.K / kGroup, group_bytes = w.q4 ? kGroup / 2 : kGroup;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t first = (n0 + r) * groups;
-    for (int64_t g = 0; g < groups; ++g) {
-      float* out = buf + r * w.K + g * kGroup;
-      const uint8_t* q = w.q + (first + g) * group_bytes;
-      const float scale = half_to_float(w.d[first + g]);
-      if (w.q4) {
-        dequant_q4_1(q, scale, half_to_float(w.m[first + g]), out);
-      } else {
-        dequant_q8_0(reinterpret_cast<const int8_t*>(q), scale, out);
-      }
-    }
+  // Locals: through w, every store to buf could have changed its fields, and each was read again
+  const int64_t groups = rows * (w.K / kGroup), first = n0 * (w.K / kGroup);
+  const uint8_t* q = w.q + first * (w.q4 ? kGroup / 2 : kGroup);
+  const at::Half* d = w.d + first;
+  if (w.q4) {
+    const at::Half* m = w.m + first;
+    for (int64_t g = 0; g < groups; ++g) dequant_q4_1(q + g * (kGroup / 2), half_to_float(d[g]), half_to_float(m[g]), buf + g * kGroup);
+  } else {
+    const int8_t* q8 = reinterpret_cast<const int8_t*>(q);
+    for (int64_t g = 0; g < groups; ++g) dequant_q8_0(q8 + g * kGroup, half_to_float(d[g]), buf + g * kGroup);
   }
-}
-
-// Keeps v in a register: GCC would otherwise load x again as the memory operand of each of its
-// NB products, and the loads, not the products, would bound the loop.
-inline void in_register(vf& v) {
-#if defined(__x86_64__) && defined(__AVX__)
-  asm("" : "+v"(v));
-#else
-  (void)v;
-#endif
 }
 
 // out[i][j] = x[i] . w[j] for MB rows of x and NB rows of w, accumulating kLinearLanes lanes across K.
@@ -210,7 +212,7 @@ inline void micro_gemm(const float* x, int64_t ldx, const float* w, int64_t K, f
     for (int j = 0; j < NB; ++j) wv[j] = load_lanes(w + j * K + k);
     for (int i = 0; i < MB; ++i) {
       vf xv = load_lanes(x + i * ldx + k);
-      in_register(xv);
+      opaque(xv);  // else GCC loads x again as the memory operand of each of its NB products, and the loads bound the loop
       for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
     }
   }
