@@ -147,22 +147,28 @@ inline void sum4(const v8f* a, float* out) {
 #endif
 }
 
-// The compiler sees v change here: it keeps v in a register (no memory operand in its place) and
-// fuses no arithmetic across this point into one instruction (an FMA).
+// On x86 with AVX the compiler sees v change here: it keeps v in a register (no memory operand in
+// its place) and fuses no arithmetic across this point into one instruction (an FMA). x86 without
+// AVX has no FMA to fuse.
 inline void opaque(vf& v) {
 #if defined(__x86_64__) && defined(__AVX__)
   asm("" : "+v"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
 #else
-  (void)v;  // targets without FMA: nothing to fuse
+  (void)v;
 #endif
 }
 
+// Elsewhere (ARM's FMA), no contraction in the whole function instead: the attribute keeps it from
+// being inlined, which on x86 cost a call and a vzeroupper every 32 weights.
+#if defined(__x86_64__)
+#define UNFUSED
+#else
+#define UNFUSED __attribute__((optimize("fp-contract=off")))
+#endif
+
 // One group of 32 weights into out[0..32). gguf-py rounds d*q, then adds m, and the fp32 checkpoint
-// holds exactly those values: not one FMA (an optimize("fp-contract=off") attribute kept that too,
-// but also kept the function from being inlined: a call and a vzeroupper every 32 weights).
-inline void dequant_q4_1(const uint8_t* q, float d, float m, float* out) {
+// holds exactly those values: not one FMA.
+UNFUSED inline void dequant_q4_1(const uint8_t* q, float d, float m, float* out) {
 #if defined(__AVX512F__)
   // The group's 16 values d * q + m computed once, each weight looked up by its nibble (a permute
   // instead of a conversion, a product and a sum per 16 weights)
