@@ -203,37 +203,42 @@ struct GroupedWeight {
   const at::Half* m;
   int64_t K;
   bool q4;
+
+  int64_t group_bytes() const { return q4 ? kGroup / 2 : kGroup; }
+  // The same weight from row n on: its values, scales and minimums advanced to that row.
+  GroupedWeight from_row(int64_t n) const {
+    const int64_t first = n * (K / kGroup);
+    return {q + first * group_bytes(), d + first, q4 ? m + first : m, K, q4};
+  }
 };
 
 // Rows [n0, n0 + rows) of W dequantized into buf (rows x K, row-major).
 void dequant_rows(const GroupedWeight& w, int64_t n0, int64_t rows, float* buf) {
-  // Locals: through w, every store to buf could have changed its fields, and each was read again
-  const int64_t groups = rows * (w.K / kGroup), first = n0 * (w.K / kGroup);
-  const uint8_t* q = w.q + first * (w.q4 ? kGroup / 2 : kGroup);
-  const at::Half* d = w.d + first;
-  if (w.q4) {
-    const at::Half* m = w.m + first;
-    for (int64_t g = 0; g < groups; ++g) dequant_q4_1(q + g * (kGroup / 2), half_to_float(d[g]), half_to_float(m[g]), buf + g * kGroup);
+  // A local copy: through w, every store to buf could have changed its fields, and each was read again
+  const GroupedWeight r = w.from_row(n0);
+  const int64_t groups = rows * (r.K / kGroup);
+  if (r.q4) {
+    for (int64_t g = 0; g < groups; ++g)
+      dequant_q4_1(r.q + g * (kGroup / 2), half_to_float(r.d[g]), half_to_float(r.m[g]), buf + g * kGroup);
   } else {
-    const int8_t* q8 = reinterpret_cast<const int8_t*>(q);
-    for (int64_t g = 0; g < groups; ++g) dequant_q8_0(q8 + g * kGroup, half_to_float(d[g]), buf + g * kGroup);
+    const int8_t* q8 = reinterpret_cast<const int8_t*>(r.q);
+    for (int64_t g = 0; g < groups; ++g) dequant_q8_0(q8 + g * kGroup, half_to_float(r.d[g]), buf + g * kGroup);
   }
+}
+
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
 }
 
 // Asks for rows [n0, n0 + rows) of W (their packed values and scales) ahead of their dequantizing:
 // the products of a block take long enough to hide the next block's fetch from memory, which the
 // hardware's prefetcher, seeing a few hundred bytes a microsecond, did not start in time.
 inline void prefetch_rows(const GroupedWeight& w, int64_t n0, int64_t rows) {
-  const int64_t groups = rows * (w.K / kGroup), first = n0 * (w.K / kGroup);
-  const int64_t group_bytes = w.q4 ? kGroup / 2 : kGroup;
-  const char* q = reinterpret_cast<const char*>(w.q + first * group_bytes);
-  for (int64_t b = 0; b < groups * group_bytes; b += 64) __builtin_prefetch(q + b);
-  const char* d = reinterpret_cast<const char*>(w.d + first);
-  const char* m = w.q4 ? reinterpret_cast<const char*>(w.m + first) : nullptr;
-  for (int64_t b = 0; b < groups * 2; b += 64) {
-    __builtin_prefetch(d + b);
-    if (m != nullptr) __builtin_prefetch(m + b);
-  }
+  const GroupedWeight r = w.from_row(n0);
+  const int64_t groups = rows * (r.K / kGroup);
+  prefetch_lines(r.q, groups * r.group_bytes());
+  prefetch_lines(r.d, groups * sizeof(at::Half));
+  if (r.q4) prefetch_lines(r.m, groups * sizeof(at::Half));
 }
 
 // out[i][j] = x[i] . w[j] for MB rows of x and NB rows of w, accumulating kLinearLanes lanes across K.
