@@ -4,7 +4,8 @@
 //    dimension, the way GGUF stores it: Q4_1 (4-bit q, w = d*q + m) or Q8_0 (8-bit q, w = d*q),
 //    d and m in fp16. Each group is dequantized exactly as gguf-py does it (fp32 d*q, then + m)
 //    and multiplied in fp32, so the result is the fp32 GEMM of the checkpoint's own dequantized
-//    weights, up to summation order, while decode reads 5-6x fewer bytes. From dense_from rows of
+//    weights, up to summation order, while decode reads 5-6x fewer bytes. On AVX-512, from 16 rows
+//    of x, the panel kernel sums in the blocked order of torch's fp32 GEMM. From dense_from rows of
 //    x on (where the host's GEMM measured faster), the weight is dequantized chunk by chunk into a
 //    reused buffer for torch's GEMM. On hosts with AMX, batches of 16 to 511 rows multiply on its
 //    tiles instead (amx_group_linear.h).
@@ -380,6 +381,120 @@ void tiled_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N,
   });
 }
 
+#if defined(__AVX512F__)
+// The panel kernel, for 16 rows of x and more on AVX-512: x's rows transposed into panels of 16
+// rows, each k-major (panel p holds x[16p + l][k] at [k][l]; rows past M are zeros), so that one
+// load gives a lane to each of 16 rows of x and each weight of a dequantized block of W is
+// broadcast to all of them. Against the tiles above (a weight vector times a row of x, summed across
+// lanes at the end): no sums across lanes, and a load of x serves 12 rows of W.
+constexpr int64_t kPanelRows = 12;    // rows of W a block: 12 x 2 accumulators of 16 lanes in 32 registers
+constexpr int64_t kPanelBlock = 16;   // panels of x (256 rows) multiplied by one dequantization of a block
+// Each product is summed over k in chunks of 192, in order, one FMA a term, and the chunks' sums added
+// in order: the blocked order of torch's fp32 GEMM on the AVX-512 host measured, whose products
+// of the dequantized weight these equal bit for bit there (docs/benchmarks.md).
+constexpr int64_t kPanelChunk = 192;
+
+// The sums over k in [k0, k1) of x[m][k] * w[j][k] for the MV panels at `panels` and the kPanelRows
+// rows of w, stored into sums[j][m] (sums rows of 32) where k0 is 0, else added to them.
+template <int MV>
+inline void panel_gemm(const float* panels, int64_t K, const float* w, int64_t k0, int64_t k1, float* sums) {
+  constexpr int L = kLinearLanes;
+  vf acc[kPanelRows][MV] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    vf xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = load_lanes(panels + (v * K + k) * L);
+    for (int j = 0; j < kPanelRows; ++j) {
+      const vf wj = splat_lanes(w[j * K + k]);
+      for (int v = 0; v < MV; ++v) acc[j][v] += wj * xv[v];
+    }
+  }
+  for (int j = 0; j < kPanelRows; ++j)
+    for (int v = 0; v < MV; ++v) {
+      float* s = sums + j * 2 * L + v * L;
+      store_lanes(s, k0 == 0 ? acc[j][v] : load_lanes(s) + acc[j][v]);
+    }
+}
+
+// The 16 x 16 floats at src (rows lds apart; rows from `rows` on read as zeros) transposed into
+// dst (16 rows of 16): three rounds of shuffles in registers.
+inline void transpose16(const float* src, int64_t lds, int64_t rows, float* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_ps(src + i * lds) : _mm512_setzero_ps();
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved by element
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // then by pairs of elements
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 16; i += 8)  // then by 128-bit quarters, twice
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * 16, r[i]);
+}
+
+// x [M, K] into ceil(M / 16) panels, split between threads.
+void to_panels(const float* x, int64_t M, int64_t K, float* panels) {
+  at::parallel_for(0, (M + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t k = 0; k < K; k += 16)
+        transpose16(x + p * 16 * K + k, K, std::min<int64_t>(16, M - p * 16), panels + (p * K + k) * 16);
+  });
+}
+
+// Whether M rows of x take the panel kernel: from 16 rows, where at least 3/4 of its panels' lanes are
+// rows of x (17 rows fill two panels: a third of the work on zeros, slower than the tiles).
+bool on_panels(int64_t M) { return M >= 16 && 4 * M >= 3 * 16 * ((M + 15) / 16); }
+
+void panel_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N, float* op) {
+  const int64_t K = w.K, num_panels = (M + 15) / 16;
+  thread_local std::vector<vf> panel_vectors;  // kept for the next call: megabytes for a prefill chunk
+  if ((int64_t)panel_vectors.size() < num_panels * K) panel_vectors.resize(num_panels * K);
+  float* panels = reinterpret_cast<float*>(panel_vectors.data());
+  to_panels(xp, M, K, panels);
+  at::parallel_for(0, (N + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<vf> w_vectors(kPanelRows * K / 16);  // zeros: a last block's rows past N stay finite
+    float* buf = reinterpret_cast<float*>(w_vectors.data());
+    std::vector<vf> sum_vectors(kPanelBlock / 2 * kPanelRows * 2);  // [pair of panels][kPanelRows][32]
+    float* sums = reinterpret_cast<float*>(sum_vectors.data());
+    for (int64_t p0 = 0; p0 < num_panels; p0 += kPanelBlock) {
+      const int64_t p_end = std::min(num_panels, p0 + kPanelBlock);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * kPanelRows, rows = std::min(kPanelRows, N - n0);
+        dequant_rows(w, n0, rows, buf);
+        if (b + 1 < end) prefetch_rows(w, n0 + kPanelRows, std::min(kPanelRows, N - n0 - kPanelRows));
+        for (int64_t k0 = 0; k0 < K; k0 += kPanelChunk)  // a chunk of each row of W stays in L1 for all panels
+          for (int64_t p = p0; p < p_end; p += 2) {
+            float* pair_sums = sums + (p - p0) / 2 * kPanelRows * 32;
+            const int64_t k1 = std::min(K, k0 + kPanelChunk);
+            if (p + 1 < p_end) {
+              panel_gemm<2>(panels + p * K * 16, K, buf, k0, k1, pair_sums);
+            } else {
+              panel_gemm<1>(panels + p * K * 16, K, buf, k0, k1, pair_sums);
+            }
+          }
+        const __mmask16 columns = (1u << rows) - 1;
+        for (int64_t p = p0; p < p_end; ++p) {  // sums[j][16 * (p % 2) + l] is out[16p + l][n0 + j]
+          alignas(64) float rows_of_x[16][16];
+          transpose16(sums + (p - p0) / 2 * kPanelRows * 32 + (p - p0) % 2 * 16, 32, kPanelRows, &rows_of_x[0][0]);
+          for (int64_t m = 0; m < std::min<int64_t>(16, M - p * 16); ++m)
+            _mm512_mask_storeu_ps(op + (p * 16 + m) * N + n0, columns, _mm512_load_ps(rows_of_x[m]));
+        }
+      }
+    }
+  });
+}
+#endif
+
 // From this many rows of x on (a prefill chunk, a step with one), group_linear dequantizes the
 // weight and calls torch's GEMM (MKL), where that is faster than the group kernel; which is, depends
 // on the host: on a 2-core AVX2 host MKL won from 128 rows (275 vs 384 ms for the default model's
@@ -440,6 +555,15 @@ torch::Tensor dense_linear(const GroupedWeight& w, const torch::Tensor& x, int64
 // was as fast on the default model's shapes (docs/benchmarks.md).
 constexpr int64_t kAmxFrom = 16, kAmxBelow = 512;
 
+// Whether group_linear multiplies M rows of x in panels here (unless AMX tiles or torch's GEMM take them).
+bool panels_for(int64_t M) {
+#if defined(__AVX512F__)
+  return on_panels(M);
+#else
+  return false;
+#endif
+}
+
 // Whether group_linear takes AMX tiles here (built with them, and the kernel lets this process use them).
 bool amx_tiles() {
 #if PAGODA_AMX
@@ -497,6 +621,10 @@ torch::Tensor group_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
       case 3: few_tokens_linear<3>(w, xp, N, op); break;
       default: few_tokens_linear<4>(w, xp, N, op); break;
     }
+#if defined(__AVX512F__)
+  } else if (on_panels(M)) {
+    panel_linear(w, xp, M, N, op);
+#endif
   } else {
     tiled_linear(w, xp, M, N, op);
   }
@@ -988,6 +1116,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qweight"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_activations") = false, no_gil);
   m.def("set_dense_from", &set_dense_from, "from how many rows of x group_linear takes torch's GEMM");
   m.def("dense_from", [] { return dense_from.load(); }, "from how many rows of x group_linear takes torch's GEMM");
+  m.def("panels_for", &panels_for, "whether group_linear multiplies this many rows of x in panels here");
   m.def("amx_tiles", &amx_tiles, "whether group_linear multiplies on AMX tiles on this host");
   m.def("group_dequantize", &group_dequantize, "a grouped weight as float32", no_gil);
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place", no_gil);

@@ -121,6 +121,35 @@ def test_batches_on_amx_tiles_equal_fp32(values, rows):
     assert error <= 2 * fp32_error, (error, fp32_error)
 
 
+def blocked_products(x: torch.Tensor, weight: torch.Tensor, chunk: int = 192) -> torch.Tensor:
+    """x @ weight.T in fp32 summed as the panel kernel sums: over k in chunks of 192, in order, each
+    term one fused multiply-add (the product exact in float64, the sum rounded once to fp32), the
+    chunks' sums added in order."""
+    out = None
+    for k0 in range(0, x.shape[1], chunk):
+        acc = torch.zeros(x.shape[0], weight.shape[0])
+        for k in range(k0, min(x.shape[1], k0 + chunk)):
+            acc = (acc.double() + x[:, k, None].double() * weight[None, :, k].double()).float()
+        out = acc if out is None else out + acc
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("values", [q4_1_values, q8_0_values])
+@pytest.mark.parametrize("rows, k", [(16, 576), (24, 320), (40, 576), (300, 320)])
+def test_panels_sum_in_their_blocked_order(values, rows, k, dense_from):
+    """On AVX-512 hosts, batches from 16 rows take the panel kernel: 100 rows of W (the last block
+    of 12 four rows), 320 (chunks of 192 and 128) or 576 inputs, 16 to 300 rows of x (a last panel
+    half zeros; several blocks of 256). Its sums are the blocked order's to the last bit."""
+    if not cpu_ops().panels_for(rows) or cpu_ops().amx_tiles():
+        pytest.skip("this host multiplies these rows another way")
+    dense_from(NEVER_DENSE)
+    torch.manual_seed(0)
+    weight = values(100, k)
+    x = torch.randn(rows, k)
+    assert torch.equal(recover_grouped(weight).linear(x), blocked_products(x, weight))
+
+
 def rounded_per_group(x: torch.Tensor) -> torch.Tensor:
     """x rounded to int8 per group of 32 (scale max|x| / 127, x times its fp32 inverse rounded to
     nearest, as the kernel and llama.cpp's Q8_0 round), back in float64."""
