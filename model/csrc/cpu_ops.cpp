@@ -213,17 +213,31 @@ struct GroupedWeight {
   }
 };
 
+// n fp16 values into floats (n <= 16), 8 at a time where F16C converts them.
+inline void halves_to_floats(const at::Half* h, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = half_to_float(h[i]);
+}
+
 // Rows [n0, n0 + rows) of W dequantized into buf (rows x K, row-major).
 void dequant_rows(const GroupedWeight& w, int64_t n0, int64_t rows, float* buf) {
   // A local copy: through w, every store to buf could have changed its fields, and each was read again
   const GroupedWeight r = w.from_row(n0);
   const int64_t groups = rows * (r.K / kGroup);
-  if (r.q4) {
-    for (int64_t g = 0; g < groups; ++g)
-      dequant_q4_1(r.q + g * (kGroup / 2), half_to_float(r.d[g]), half_to_float(r.m[g]), buf + g * kGroup);
-  } else {
-    const int8_t* q8 = reinterpret_cast<const int8_t*>(r.q);
-    for (int64_t g = 0; g < groups; ++g) dequant_q8_0(q8 + g * kGroup, half_to_float(r.d[g]), buf + g * kGroup);
+  const int8_t* q8 = reinterpret_cast<const int8_t*>(r.q);
+  float d[16], m[16];  // 16 groups' scales (and minimums) converted at once, each then broadcast from here
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t n = std::min<int64_t>(16, groups - g0);
+    halves_to_floats(r.d + g0, n, d);
+    if (r.q4) {
+      halves_to_floats(r.m + g0, n, m);
+      for (int64_t i = 0; i < n; ++i) dequant_q4_1(r.q + (g0 + i) * (kGroup / 2), d[i], m[i], buf + (g0 + i) * kGroup);
+    } else {
+      for (int64_t i = 0; i < n; ++i) dequant_q8_0(q8 + (g0 + i) * kGroup, d[i], buf + (g0 + i) * kGroup);
+    }
   }
 }
 
