@@ -401,6 +401,7 @@ void tiled_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N,
 // load gives a lane to each of 16 rows of x and each weight of a dequantized block of W is
 // broadcast to all of them. Against the tiles above (a weight vector times a row of x, summed across
 // lanes at the end): no sums across lanes, and a load of x serves 12 rows of W.
+constexpr int64_t kPanel = 16;        // rows of x a panel: a 512-bit vector's lanes
 constexpr int64_t kPanelRows = 12;    // rows of W a block: 12 x 2 accumulators of 16 lanes in 32 registers
 constexpr int64_t kPanelBlock = 16;   // panels of x (256 rows) multiplied by one dequantization of a block
 // Each product is summed over k in chunks of 192, in order, one FMA a term, and the chunks' sums added
@@ -409,14 +410,13 @@ constexpr int64_t kPanelBlock = 16;   // panels of x (256 rows) multiplied by on
 constexpr int64_t kPanelChunk = 192;
 
 // The sums over k in [k0, k1) of x[m][k] * w[j][k] for the MV panels at `panels` and the kPanelRows
-// rows of w, stored into sums[j][m] (sums rows of 32) where k0 is 0, else added to them.
+// rows of w, stored into sums[j][m] (rows of 2 panels' lanes) where k0 is 0, else added to them.
 template <int MV>
 inline void panel_gemm(const float* panels, int64_t K, const float* w, int64_t k0, int64_t k1, float* sums) {
-  constexpr int L = kLinearLanes;
   vf acc[kPanelRows][MV] = {};
   for (int64_t k = k0; k < k1; ++k) {
     vf xv[MV];
-    for (int v = 0; v < MV; ++v) xv[v] = load_lanes(panels + (v * K + k) * L);
+    for (int v = 0; v < MV; ++v) xv[v] = load_lanes(panels + (v * K + k) * kPanel);
     for (int j = 0; j < kPanelRows; ++j) {
       const vf wj = splat_lanes(w[j * K + k]);
       for (int v = 0; v < MV; ++v) acc[j][v] += wj * xv[v];
@@ -424,7 +424,7 @@ inline void panel_gemm(const float* panels, int64_t K, const float* w, int64_t k
   }
   for (int j = 0; j < kPanelRows; ++j)
     for (int v = 0; v < MV; ++v) {
-      float* s = sums + j * 2 * L + v * L;
+      float* s = sums + (j * 2 + v) * kPanel;
       store_lanes(s, k0 == 0 ? acc[j][v] : load_lanes(s) + acc[j][v]);
     }
 }
@@ -458,27 +458,28 @@ inline void transpose16(const float* src, int64_t lds, int64_t rows, float* dst)
 
 // x [M, K] into ceil(M / 16) panels, split between threads.
 void to_panels(const float* x, int64_t M, int64_t K, float* panels) {
-  at::parallel_for(0, (M + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (M + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      for (int64_t k = 0; k < K; k += 16)
-        transpose16(x + p * 16 * K + k, K, std::min<int64_t>(16, M - p * 16), panels + (p * K + k) * 16);
+      for (int64_t k = 0; k < K; k += kPanel)
+        transpose16(x + p * kPanel * K + k, K, std::min(kPanel, M - p * kPanel), panels + (p * K + k) * kPanel);
   });
 }
 
 // Whether M rows of x take the panel kernel: from 16 rows, where at least 3/4 of its panels' lanes are
 // rows of x (17 rows fill two panels: a third of the work on zeros, slower than the tiles).
-bool on_panels(int64_t M) { return M >= 16 && 4 * M >= 3 * 16 * ((M + 15) / 16); }
+bool on_panels(int64_t M) { return M >= kPanel && 4 * M >= 3 * kPanel * ((M + kPanel - 1) / kPanel); }
 
 void panel_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N, float* op) {
-  const int64_t K = w.K, num_panels = (M + 15) / 16;
+  const int64_t K = w.K, num_panels = (M + kPanel - 1) / kPanel;
   thread_local std::vector<vf> panel_vectors;  // kept for the next call: megabytes for a prefill chunk
   if ((int64_t)panel_vectors.size() < num_panels * K) panel_vectors.resize(num_panels * K);
   float* panels = reinterpret_cast<float*>(panel_vectors.data());
   to_panels(xp, M, K, panels);
   at::parallel_for(0, (N + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<vf> w_vectors(kPanelRows * K / 16);  // zeros: a last block's rows past N stay finite
+    // Zeros at first, then a block's values: a last block's rows past N are finite (their sums unwritten)
+    std::vector<vf> w_vectors(kPanelRows * K / kPanel);
     float* buf = reinterpret_cast<float*>(w_vectors.data());
-    std::vector<vf> sum_vectors(kPanelBlock / 2 * kPanelRows * 2);  // [pair of panels][kPanelRows][32]
+    std::vector<vf> sum_vectors(kPanelBlock / 2 * kPanelRows * 2);  // [pair of panels][kPanelRows][2 * kPanel]
     float* sums = reinterpret_cast<float*>(sum_vectors.data());
     for (int64_t p0 = 0; p0 < num_panels; p0 += kPanelBlock) {
       const int64_t p_end = std::min(num_panels, p0 + kPanelBlock);
@@ -488,20 +489,21 @@ void panel_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N,
         if (b + 1 < end) prefetch_rows(w, n0 + kPanelRows, std::min(kPanelRows, N - n0 - kPanelRows));
         for (int64_t k0 = 0; k0 < K; k0 += kPanelChunk)  // a chunk of each row of W stays in L1 for all panels
           for (int64_t p = p0; p < p_end; p += 2) {
-            float* pair_sums = sums + (p - p0) / 2 * kPanelRows * 32;
+            float* pair_sums = sums + (p - p0) / 2 * kPanelRows * 2 * kPanel;
             const int64_t k1 = std::min(K, k0 + kPanelChunk);
             if (p + 1 < p_end) {
-              panel_gemm<2>(panels + p * K * 16, K, buf, k0, k1, pair_sums);
+              panel_gemm<2>(panels + p * K * kPanel, K, buf, k0, k1, pair_sums);
             } else {
-              panel_gemm<1>(panels + p * K * 16, K, buf, k0, k1, pair_sums);
+              panel_gemm<1>(panels + p * K * kPanel, K, buf, k0, k1, pair_sums);
             }
           }
         const __mmask16 columns = (1u << rows) - 1;
         for (int64_t p = p0; p < p_end; ++p) {  // sums[j][16 * (p % 2) + l] is out[16p + l][n0 + j]
-          alignas(64) float rows_of_x[16][16];
-          transpose16(sums + (p - p0) / 2 * kPanelRows * 32 + (p - p0) % 2 * 16, 32, kPanelRows, &rows_of_x[0][0]);
-          for (int64_t m = 0; m < std::min<int64_t>(16, M - p * 16); ++m)
-            _mm512_mask_storeu_ps(op + (p * 16 + m) * N + n0, columns, _mm512_load_ps(rows_of_x[m]));
+          alignas(64) float rows_of_x[kPanel][kPanel];
+          const float* panel_sums = sums + (p - p0) / 2 * kPanelRows * 2 * kPanel + (p - p0) % 2 * kPanel;
+          transpose16(panel_sums, 2 * kPanel, kPanelRows, &rows_of_x[0][0]);
+          for (int64_t m = 0; m < std::min(kPanel, M - p * kPanel); ++m)
+            _mm512_mask_storeu_ps(op + (p * kPanel + m) * N + n0, columns, _mm512_load_ps(rows_of_x[m]));
         }
       }
     }
