@@ -222,23 +222,42 @@ inline void halves_to_floats(const at::Half* h, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = half_to_float(h[i]);
 }
 
-// Rows [n0, n0 + rows) of W dequantized into buf (rows x K, row-major).
-void dequant_rows(const GroupedWeight& w, int64_t n0, int64_t rows, float* buf) {
-  // A local copy: through w, every store to buf could have changed its fields, and each was read again
-  const GroupedWeight r = w.from_row(n0);
-  const int64_t groups = rows * (r.K / kGroup);
-  const int8_t* q8 = reinterpret_cast<const int8_t*>(r.q);
-  float d[16], m[16];  // 16 groups' scales (and minimums) converted at once, each then broadcast from here
-  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-    const int64_t n = std::min<int64_t>(16, groups - g0);
-    halves_to_floats(r.d + g0, n, d);
-    if (r.q4) {
-      halves_to_floats(r.m + g0, n, m);
-      for (int64_t i = 0; i < n; ++i) dequant_q4_1(r.q + (g0 + i) * (kGroup / 2), d[i], m[i], buf + (g0 + i) * kGroup);
-    } else {
-      for (int64_t i = 0; i < n; ++i) dequant_q8_0(q8 + (g0 + i) * kGroup, d[i], buf + (g0 + i) * kGroup);
+// Rows of W dequantized into a buffer (rows x K, row-major) a few groups at a time: all at once
+// (dequant_rows), or spread through the products of the block before (the panel kernel).
+class RowsDequantizer {
+ public:
+  RowsDequantizer() = default;  // nothing to dequantize
+  RowsDequantizer(const GroupedWeight& w, int64_t n0, int64_t rows, float* out)
+      // A local copy of w: through a reference, every store to out could have changed its fields
+      : r_(w.from_row(n0)), out_(out), groups_(rows * (w.K / kGroup)) {}
+
+  // The next n groups (fewer at the end).
+  inline void step(int64_t n) {
+    for (const int64_t end = std::min(groups_, done_ + n); done_ < end; ++done_) {
+      const int64_t i = done_ % 16;
+      if (i == 0) {  // 16 groups' scales (and minimums) converted at once, each then broadcast from here
+        halves_to_floats(r_.d + done_, std::min<int64_t>(16, groups_ - done_), d_);
+        if (r_.q4) halves_to_floats(r_.m + done_, std::min<int64_t>(16, groups_ - done_), m_);
+      }
+      if (r_.q4) {
+        dequant_q4_1(r_.q + done_ * (kGroup / 2), d_[i], m_[i], out_ + done_ * kGroup);
+      } else {
+        dequant_q8_0(reinterpret_cast<const int8_t*>(r_.q) + done_ * kGroup, d_[i], out_ + done_ * kGroup);
+      }
     }
   }
+  void finish() { step(groups_); }
+
+ private:
+  GroupedWeight r_{};
+  float* out_ = nullptr;
+  int64_t groups_ = 0, done_ = 0;
+  float d_[16], m_[16];
+};
+
+// Rows [n0, n0 + rows) of W dequantized into buf (rows x K, row-major).
+void dequant_rows(const GroupedWeight& w, int64_t n0, int64_t rows, float* buf) {
+  RowsDequantizer(w, n0, rows, buf).finish();
 }
 
 inline void prefetch_lines(const void* p, int64_t bytes) {
@@ -411,8 +430,13 @@ constexpr int64_t kPanelChunk = 192;
 
 // The sums over k in [k0, k1) of x[m][k] * w[j][k] for the MV panels at `panels` and the kPanelRows
 // rows of w, stored into sums[j][m] (rows of 2 panels' lanes) where k0 is 0, else added to them.
+// Every 8 k, three groups of the next block are dequantized: 12 rows have 12 x K / 32 groups, so a
+// block's pass over k dequantizes the next, on the ports the FMAs leave free and with its loads'
+// misses hidden behind them (a separate pass cost ~16 % of a batch-32 step).
 template <int MV>
-inline void panel_gemm(const float* panels, int64_t K, const float* w, int64_t k0, int64_t k1, float* sums) {
+inline void panel_gemm(const float* panels, int64_t K, const float* w, int64_t k0, int64_t k1, float* sums,
+                       RowsDequantizer& next) {
+  static_assert(kPanelRows * 8 == 3 * kGroup, "three groups every 8 k dequantize a block in one pass over k");
   vf acc[kPanelRows][MV] = {};
   for (int64_t k = k0; k < k1; ++k) {
     vf xv[MV];
@@ -421,6 +445,7 @@ inline void panel_gemm(const float* panels, int64_t K, const float* w, int64_t k
       const vf wj = splat_lanes(w[j * K + k]);
       for (int v = 0; v < MV; ++v) acc[j][v] += wj * xv[v];
     }
+    if (k % 8 == 7) next.step(3);
   }
   for (int j = 0; j < kPanelRows; ++j)
     for (int v = 0; v < MV; ++v) {
@@ -475,28 +500,34 @@ void panel_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N,
   if ((int64_t)panel_vectors.size() < num_panels * K) panel_vectors.resize(num_panels * K);
   float* panels = reinterpret_cast<float*>(panel_vectors.data());
   to_panels(xp, M, K, panels);
+  const auto block_rows = [&](int64_t b) { return std::min(kPanelRows, N - b * kPanelRows); };
   at::parallel_for(0, (N + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
-    // Zeros at first, then a block's values: a last block's rows past N are finite (their sums unwritten)
-    std::vector<vf> w_vectors(kPanelRows * K / kPanel);
-    float* buf = reinterpret_cast<float*>(w_vectors.data());
+    // Two blocks: one multiplied while the next is dequantized. Zeros at first, then blocks' values:
+    // a last block's rows past N are finite (their sums are not written).
+    std::vector<vf> w_vectors(2 * kPanelRows * K / kPanel);
+    float* const blocks[2] = {reinterpret_cast<float*>(w_vectors.data()),
+                              reinterpret_cast<float*>(w_vectors.data()) + kPanelRows * K};
     std::vector<vf> sum_vectors(kPanelBlock / 2 * kPanelRows * 2);  // [pair of panels][kPanelRows][2 * kPanel]
     float* sums = reinterpret_cast<float*>(sum_vectors.data());
     for (int64_t p0 = 0; p0 < num_panels; p0 += kPanelBlock) {
       const int64_t p_end = std::min(num_panels, p0 + kPanelBlock);
+      dequant_rows(w, begin * kPanelRows, block_rows(begin), blocks[0]);
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t n0 = b * kPanelRows, rows = std::min(kPanelRows, N - n0);
-        dequant_rows(w, n0, rows, buf);
-        if (b + 1 < end) prefetch_rows(w, n0 + kPanelRows, std::min(kPanelRows, N - n0 - kPanelRows));
+        const int64_t n0 = b * kPanelRows, rows = block_rows(b);
+        const float* block = blocks[(b - begin) % 2];
+        RowsDequantizer next;
+        if (b + 1 < end) next = RowsDequantizer(w, n0 + kPanelRows, block_rows(b + 1), blocks[(b + 1 - begin) % 2]);
         for (int64_t k0 = 0; k0 < K; k0 += kPanelChunk)  // a chunk of each row of W stays in L1 for all panels
           for (int64_t p = p0; p < p_end; p += 2) {
             float* pair_sums = sums + (p - p0) / 2 * kPanelRows * 2 * kPanel;
             const int64_t k1 = std::min(K, k0 + kPanelChunk);
             if (p + 1 < p_end) {
-              panel_gemm<2>(panels + p * K * kPanel, K, buf, k0, k1, pair_sums);
+              panel_gemm<2>(panels + p * K * kPanel, K, block, k0, k1, pair_sums, next);
             } else {
-              panel_gemm<1>(panels + p * K * kPanel, K, buf, k0, k1, pair_sums);
+              panel_gemm<1>(panels + p * K * kPanel, K, block, k0, k1, pair_sums, next);
             }
           }
+        next.finish();
         const __mmask16 columns = (1u << rows) - 1;
         for (int64_t p = p0; p < p_end; ++p) {  // sums[j][16 * (p % 2) + l] is out[16p + l][n0 + j]
           alignas(64) float rows_of_x[kPanel][kPanel];
