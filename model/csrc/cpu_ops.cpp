@@ -236,9 +236,8 @@ class RowsDequantizer {
     for (const int64_t end = std::min(groups_, done_ + n); done_ < end; ++done_) {
       const int64_t i = done_ % 16;
       if (i == 0) {  // 16 groups' scales (and minimums) converted at once, each then broadcast from here
-        const int64_t n = std::min<int64_t>(16, groups_ - done_);
-        halves_to_floats(r_.d + done_, n, d_);
-        if (r_.q4) halves_to_floats(r_.m + done_, n, m_);
+        halves_to_floats(r_.d + done_, std::min<int64_t>(16, groups_ - done_), d_);
+        if (r_.q4) halves_to_floats(r_.m + done_, std::min<int64_t>(16, groups_ - done_), m_);
       }
       if (r_.q4) {
         dequant_q4_1(r_.q + done_ * (kGroup / 2), d_[i], m_[i], out_ + done_ * kGroup);
@@ -491,6 +490,10 @@ void to_panels(const float* x, int64_t M, int64_t K, float* panels) {
   });
 }
 
+// Whether M rows of x take the panel kernel: from 16 rows, where at least 3/4 of its panels' lanes are
+// rows of x (17 rows fill two panels: a third of the work on zeros, slower than the tiles).
+bool on_panels(int64_t M) { return M >= kPanel && 4 * M >= 3 * kPanel * ((M + kPanel - 1) / kPanel); }
+
 void panel_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N, float* op) {
   const int64_t K = w.K, num_panels = (M + kPanel - 1) / kPanel;
   thread_local std::vector<vf> panel_vectors;  // kept for the next call: megabytes for a prefill chunk
@@ -505,10 +508,7 @@ void panel_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N,
     float* const blocks[2] = {reinterpret_cast<float*>(w_vectors.data()),
                               reinterpret_cast<float*>(w_vectors.data()) + kPanelRows * K};
     std::vector<vf> sum_vectors(kPanelBlock / 2 * kPanelRows * 2);  // [pair of panels][kPanelRows][2 * kPanel]
-    // Panel p's sums (of those from p0): its pair's, at the pair's first or second 16 lanes
-    const auto sums_of = [&](int64_t p, int64_t p0) {
-      return reinterpret_cast<float*>(sum_vectors.data()) + (p - p0) / 2 * kPanelRows * 2 * kPanel + (p - p0) % 2 * kPanel;
-    };
+    float* sums = reinterpret_cast<float*>(sum_vectors.data());
     for (int64_t p0 = 0; p0 < num_panels; p0 += kPanelBlock) {
       const int64_t p_end = std::min(num_panels, p0 + kPanelBlock);
       dequant_rows(w, begin * kPanelRows, block_rows(begin), blocks[0]);
@@ -519,18 +519,20 @@ void panel_linear(const GroupedWeight& w, const float* xp, int64_t M, int64_t N,
         if (b + 1 < end) next = RowsDequantizer(w, n0 + kPanelRows, block_rows(b + 1), blocks[(b + 1 - begin) % 2]);
         for (int64_t k0 = 0; k0 < K; k0 += kPanelChunk)  // a chunk of each row of W stays in L1 for all panels
           for (int64_t p = p0; p < p_end; p += 2) {
+            float* pair_sums = sums + (p - p0) / 2 * kPanelRows * 2 * kPanel;
             const int64_t k1 = std::min(K, k0 + kPanelChunk);
             if (p + 1 < p_end) {
-              panel_gemm<2>(panels + p * K * kPanel, K, block, k0, k1, sums_of(p, p0), next);
+              panel_gemm<2>(panels + p * K * kPanel, K, block, k0, k1, pair_sums, next);
             } else {
-              panel_gemm<1>(panels + p * K * kPanel, K, block, k0, k1, sums_of(p, p0), next);
+              panel_gemm<1>(panels + p * K * kPanel, K, block, k0, k1, pair_sums, next);
             }
           }
         next.finish();
         const __mmask16 columns = (1u << rows) - 1;
         for (int64_t p = p0; p < p_end; ++p) {  // sums[j][16 * (p % 2) + l] is out[16p + l][n0 + j]
           alignas(64) float rows_of_x[kPanel][kPanel];
-          transpose16(sums_of(p, p0), 2 * kPanel, kPanelRows, &rows_of_x[0][0]);
+          const float* panel_sums = sums + (p - p0) / 2 * kPanelRows * 2 * kPanel + (p - p0) % 2 * kPanel;
+          transpose16(panel_sums, 2 * kPanel, kPanelRows, &rows_of_x[0][0]);
           for (int64_t m = 0; m < std::min(kPanel, M - p * kPanel); ++m)
             _mm512_mask_storeu_ps(op + (p * kPanel + m) * N + n0, columns, _mm512_load_ps(rows_of_x[m]));
         }
@@ -600,12 +602,10 @@ torch::Tensor dense_linear(const GroupedWeight& w, const torch::Tensor& x, int64
 // was as fast on the default model's shapes (docs/benchmarks.md).
 constexpr int64_t kAmxFrom = 16, kAmxBelow = 512;
 
-// Whether group_linear multiplies M rows of x in panels here (unless AMX tiles or torch's GEMM take
-// them): on AVX-512, from 16 rows, where at least 3/4 of its panels' lanes are rows of x (17 rows
-// fill two panels: a third of the work on zeros, slower than the tiles).
-bool on_panels(int64_t M) {
+// Whether group_linear multiplies M rows of x in panels here (unless AMX tiles or torch's GEMM take them).
+bool panels_for(int64_t M) {
 #if defined(__AVX512F__)
-  return M >= kPanel && 4 * M >= 3 * kPanel * ((M + kPanel - 1) / kPanel);
+  return on_panels(M);
 #else
   return false;
 #endif
@@ -1163,7 +1163,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qweight"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_activations") = false, no_gil);
   m.def("set_dense_from", &set_dense_from, "from how many rows of x group_linear takes torch's GEMM");
   m.def("dense_from", [] { return dense_from.load(); }, "from how many rows of x group_linear takes torch's GEMM");
-  m.def("panels_for", &on_panels, "whether group_linear multiplies this many rows of x in panels here");
+  m.def("panels_for", &panels_for, "whether group_linear multiplies this many rows of x in panels here");
   m.def("amx_tiles", &amx_tiles, "whether group_linear multiplies on AMX tiles on this host");
   m.def("group_dequantize", &group_dequantize, "a grouped weight as float32", no_gil);
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place", no_gil);
