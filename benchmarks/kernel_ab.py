@@ -77,7 +77,9 @@ def time_one_build(source: Path, rows: int, shapes: list[str]) -> dict:
 def run_child(source: Path, rows: int, shapes: list[str]) -> dict:
     command = [sys.executable, "-m", "benchmarks.kernel_ab", "--child", str(source), "--rows", str(rows),
                "--shapes", ",".join(shapes)]
-    done = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"timing the kernels of {source} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -96,19 +98,25 @@ def main() -> None:
         print(json.dumps(time_one_build(args.child, args.rows, shapes)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        sources = {args.against: export_sources(args.against, Path(tmp)), "working tree": ROOT / CSRC / "cpu_ops.cpp"}
-        runs = {label: [] for label in sources}
+        try:
+            baseline = export_sources(args.against, Path(tmp))
+        except subprocess.CalledProcessError as exc:
+            parser.error(f"--against: no model/csrc at {args.against!r} ({exc.stderr.strip()})")
+        sources = {args.against: baseline, "working tree": ROOT / CSRC / "cpu_ops.cpp"}
+        results = {label: [] for label in sources}
         for turn in range(args.turns):
-            order = list(sources) if turn % 2 == 0 else list(reversed(sources))
-            for label in order:
-                runs[label].append(run_child(sources[label], args.rows, shapes))
-                print(f"turn {turn + 1}, {label}: " + ", ".join(f"{s} {us:,.0f}" for s, us in runs[label][-1]["us"].items()),
-                      flush=True)
-    base, new = (runs[label] for label in sources)
-    print(f"\n{args.rows} rows, medians of {args.turns} turns (µs per call); builds {base[0]['build']} / {new[0]['build']}")
+            for label in list(sources) if turn % 2 == 0 else list(reversed(sources)):
+                result = run_child(sources[label], args.rows, shapes)
+                results[label].append(result)
+                timings = ", ".join(f"{name} {us:,.0f}" for name, us in result["us"].items())
+                print(f"turn {turn + 1}, {label}: {timings}", flush=True)
+    base, new = results.values()
+    builds = f"builds {base[0]['build']} / {new[0]['build']}"
+    print(f"\n{args.rows} rows, medians of {args.turns} turns (µs per call); {builds}")
     print(f"| shape | {args.against} | working tree | ratio | outputs equal |\n|---|---:|---:|---:|---|")
     for name in shapes:
-        old_us, new_us = (statistics.median(r["us"][name] for r in runs) for runs in (base, new))
+        old_us = statistics.median(result["us"][name] for result in base)
+        new_us = statistics.median(result["us"][name] for result in new)
         equal = base[0]["outputs"][name] == new[0]["outputs"][name]
         print(f"| {name} | {old_us:,.0f} | {new_us:,.0f} | {new_us / old_us:.3f} | {'yes' if equal else 'NO'} |")
 
