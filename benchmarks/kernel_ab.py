@@ -60,7 +60,7 @@ def time_one_build(source: Path, rows: int, shapes: list[str]) -> dict:
         k, n, bits = SHAPES[name]
         weight = quantize_grouped(torch.randn(n, k) * 0.05, bits)
         x = torch.randn(rows, k)
-        calls = max(3, int(2e5 / (n * rows)))  # ~ the same time per round for every shape
+        calls = max(3, round(5e8 / (n * k * rows)))  # rounds of ~5 ms at ~200 Gflop/s, whatever the shape
         for _ in range(3):
             weight.linear(x)
         rounds = []
