@@ -20,10 +20,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks.cpu_kernels import SHAPES as KERNEL_SHAPES
+from benchmarks.cpu_kernels import microseconds
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = Path("model") / "csrc"
@@ -61,15 +61,7 @@ def time_one_build(source: Path, rows: int, shapes: list[str]) -> dict:
         weight = quantize_grouped(torch.randn(n, k) * 0.05, bits)
         x = torch.randn(rows, k)
         calls = max(3, round(5e8 / (n * k * rows)))  # rounds of ~5 ms at ~200 Gflop/s, whatever the shape
-        for _ in range(3):
-            weight.linear(x)
-        rounds = []
-        for _ in range(7):
-            start = time.perf_counter()
-            for _ in range(calls):
-                weight.linear(x)
-            rounds.append((time.perf_counter() - start) / calls * 1e6)
-        result["us"][name] = statistics.median(rounds)
+        result["us"][name] = statistics.median(microseconds(lambda: weight.linear(x), calls) for _ in range(7))
         result["outputs"][name] = hashlib.sha256(weight.linear(x).numpy().tobytes()).hexdigest()[:16]
     return result
 

@@ -236,8 +236,9 @@ class RowsDequantizer {
     for (const int64_t end = std::min(groups_, done_ + n); done_ < end; ++done_) {
       const int64_t i = done_ % 16;
       if (i == 0) {  // 16 groups' scales (and minimums) converted at once, each then broadcast from here
-        halves_to_floats(r_.d + done_, std::min<int64_t>(16, groups_ - done_), d_);
-        if (r_.q4) halves_to_floats(r_.m + done_, std::min<int64_t>(16, groups_ - done_), m_);
+        const int64_t count = std::min<int64_t>(16, groups_ - done_);
+        halves_to_floats(r_.d + done_, count, d_);
+        if (r_.q4) halves_to_floats(r_.m + done_, count, m_);
       }
       if (r_.q4) {
         dequant_q4_1(r_.q + done_ * (kGroup / 2), d_[i], m_[i], out_ + done_ * kGroup);
