@@ -47,7 +47,7 @@ def ttft(document: str, chat: bool) -> tuple[float, str]:
     else:
         path, body = "completions", {"prompt": document}
     with requests.post(f"http://127.0.0.1:{HTTP}/v1/{path}", stream=True, timeout=600,
-                       json={"model": "any", **body, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+                       json={**body, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith(b"data: {"):

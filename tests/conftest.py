@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 
 # A test that uses one of these loads the real default model (or a server of it): slow.
-REAL_MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model", "llm", "server", "stub"}
+REAL_MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model", "llm", "server", "stub", "ingress"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -128,3 +128,13 @@ def stub(server):
     channel = grpc.insecure_channel(server["grpc"])
     yield pb_grpc.InferenceStub(channel)
     channel.close()
+
+
+@pytest.fixture(scope="session")
+def ingress(model_dir):
+    """An Ingress with its engine in this process (no Ray, no Serve): tests/in_process_ingress.py."""
+    from tests.in_process_ingress import InProcessIngress
+
+    client = InProcessIngress(model_dir)
+    yield client
+    client.close()

@@ -36,7 +36,7 @@ from cluster.engine.executor import Executor
 from cluster.engine.kv_connector import KVConnector
 from cluster.engine.media import MediaItem, place_media, step_embeds
 from cluster.engine.outputs import PrefillResult, RequestDelta
-from cluster.engine.prompt import PromptEncoder
+from cluster.engine.prompt import CheckedPrompt, PromptEncoder
 from cluster.engine.request import FinishReason, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerPlan
@@ -107,8 +107,7 @@ class LLMEngine:
             self._media_prompts = MediaPromptEncoder(self.config.model, self.multimodal,
                                                      max_text_chars=self.prompts.max_prompt_chars)
         token_ids, media = self._media_prompts.encode(messages)
-        self.prompts.check(token_ids)
-        return token_ids, media
+        return self.prompts.check(token_ids), media
 
     def add_request(
         self,
@@ -133,7 +132,8 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if (export_kv or prefilled) and params.n != 1:
             raise InvalidRequestError("n", "disaggregated prefill takes n = 1 only")
-        self.prompts.check(prompt_token_ids, params.max_tokens)
+        if not (isinstance(prompt_token_ids, CheckedPrompt) and prompt_token_ids.has_room_for(params.max_tokens)):
+            self.prompts.check(prompt_token_ids, params.max_tokens)
         media = self._encode_media(list(media))
         segments = place_media(prompt_token_ids, self.multimodal.placeholder_token_id, media, "prompt") \
             if self.multimodal else []

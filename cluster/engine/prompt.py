@@ -1,6 +1,10 @@
 """PromptEncoder: text or chat messages -> token ids exactly as HF makes them, and the checks a
 prompt must pass. The engine uses it, and so does the ingress, which tokenizes before it queues.
 
+A prompt is checked once: `check` returns a CheckedPrompt, which the engine takes as it is (the
+ingress of a server checks; the engine checks only ids that come unchecked, as offline callers'
+may).
+
 Text that cannot fit is refused before it is tokenized: no token of the vocabulary is longer than
 `longest_token_chars` characters, so a text longer than that times the context is too long
 whatever its tokens are (a 1 MB body costs a length check, not seconds of tokenizing)."""
@@ -15,6 +19,21 @@ from cluster.engine.sampling_params import is_valid_unicode
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+class CheckedPrompt(list):
+    """Token ids that passed `PromptEncoder.check`: tokens of the model, and `room` more fit the
+    context after them."""
+
+    def __init__(self, token_ids, room: int):
+        super().__init__(token_ids)
+        self.room = room
+
+    def __reduce__(self):  # it crosses Ray (ingress -> model server) pickled
+        return type(self), (list(self), self.room)
+
+    def has_room_for(self, max_tokens: int | None) -> bool:
+        return max_tokens is None or max_tokens <= self.room
+
+
 class PromptEncoder:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
         self.tokenizer = tokenizer
@@ -24,9 +43,15 @@ class PromptEncoder:
         self.max_prompt_chars = max_model_len * longest_token_chars
 
     def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-               tools: list[dict] | None = None) -> list[int]:
+               tools: list[dict] | None = None) -> CheckedPrompt:
+        """`tokenize`, then `check`."""
+        return self.check(self.tokenize(prompt, messages, tools))
+
+    def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+                 tools: list[dict] | None = None) -> list[int]:
         """`tokenizer(prompt)` for raw text, the chat template with a generation prompt for
-        messages (and `tools`, for a template that reads them), or token ids as given; then `check`."""
+        messages (and `tools`, for a template that reads them), or token ids as given. Text too
+        long for the context is refused before it is tokenized."""
         if messages is not None:
             check_messages(messages)
             self._check_length("messages", sum(len(m["content"]) for m in messages))
@@ -46,7 +71,6 @@ class PromptEncoder:
             token_ids = prompt
         else:
             raise InvalidRequestError("prompt", "give a prompt string, token ids or messages")
-        self.check(token_ids)
         return token_ids
 
     def _check_length(self, field: str, num_chars: int) -> None:
@@ -54,7 +78,7 @@ class PromptEncoder:
             raise InvalidRequestError(
                 field, f"has {num_chars} characters, more than a context of {self.max_model_len} tokens can hold")
 
-    def check(self, token_ids: list[int], max_tokens: int | None = None) -> None:
+    def check(self, token_ids: list[int], max_tokens: int | None = None) -> CheckedPrompt:
         """The ids are tokens of this model and fit the context with room for max_tokens more
         (None: at least one)."""
         if not token_ids:
@@ -73,6 +97,7 @@ class PromptEncoder:
                 f"the prompt has {len(token_ids)} tokens and max_tokens is {max_tokens}: "
                 f"{len(token_ids) + max_tokens} tokens do not fit the context of {self.max_model_len}",
             )
+        return CheckedPrompt(token_ids, self.max_model_len - len(token_ids))
 
 
 def check_messages(messages) -> None:

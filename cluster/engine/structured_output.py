@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 from cluster.engine.errors import InvalidRequestError
 
 KINDS = ("json_object", "json_schema")
+XGRAMMAR_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ", re.MULTILINE)  # "[02:10:47] /project/cpp/x.cc:5088: "
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,11 @@ class StructuredOutput:
             raise InvalidRequestError(f"{self.field}.type", f"must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if (self.kind == "json_schema") != (self.json_schema is not None):
             raise InvalidRequestError(f"{self.field}.json_schema", "a json_schema needs its schema (and only it has one)")
+
+
+def _client_message(error: Exception) -> str:
+    """xgrammar's message without the time and C++ source location it starts with."""
+    return XGRAMMAR_LOCATION.sub("", str(error)).strip()
 
 
 class Grammars:
@@ -57,7 +64,8 @@ class Grammars:
             schema = json.loads(spec.json_schema) if spec.kind == "json_schema" else {"type": "object"}
             return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
         except (ValueError, RuntimeError) as e:  # bad JSON, or what xgrammar cannot compile
-            raise InvalidRequestError(f"{spec.field}.json_schema", f"cannot be compiled to a grammar: {e}") from None
+            raise InvalidRequestError(f"{spec.field}.json_schema",
+                                      f"cannot be compiled to a grammar: {_client_message(e)}") from None
 
     def matcher(self, spec: StructuredOutput):
         return self._xgr.GrammarMatcher(self.compile(spec))

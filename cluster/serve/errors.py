@@ -48,3 +48,11 @@ class RequestCancelledError(RuntimeError):
 
 class RequestNotFoundError(LookupError):
     """No running request of the caller's tenant has this id (404 / NOT_FOUND)."""
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this server does not serve (404 / NOT_FOUND, OpenAI's
+    `model_not_found`)."""
+
+    field = "model"
+    openai_code = "model_not_found"

@@ -115,6 +115,8 @@ class InputAudio(BaseModel):
 
 
 class ChatContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept to be refused by name (chat_messages), not dropped
+
     type: Literal["text", "image_url", "input_audio"]
     text: str | None = None
     image_url: ImageURL | None = None
@@ -173,6 +175,8 @@ def _call(call: ToolCall, where: str) -> dict:
 
 
 def _content_part(part: ChatContentPart, where: str) -> dict:
+    for name in part.model_extra or ():
+        raise InvalidRequestError(f"{where}.{name}", "is not a field of a content part; leave it out")
     if part.type == "text":
         return {"type": "text", "text": part.text or ""}
     if part.type == "image_url":

@@ -27,8 +27,11 @@ def forced_call(tools: list[dict], tool_choice) -> StructuredOutput | None:
     """The structured output that makes the answer a call, for "required" or a named function."""
     if tool_choice == "required":
         schemas = [_call_schema(tool) for tool in tools]
-        return StructuredOutput("json_schema", json.dumps({"anyOf": schemas} if len(schemas) > 1 else schemas[0]),
-                                field="tool_choice")
+        if len(schemas) == 1:
+            return StructuredOutput("json_schema", json.dumps(schemas[0]), field="tool_choice")
+        definitions = {name: value for schema in schemas for name, value in schema.pop("$defs", {}).items()}
+        either = {"anyOf": schemas, **({"$defs": definitions} if definitions else {})}
+        return StructuredOutput("json_schema", json.dumps(either), field="tool_choice")
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
         chosen = [tool for tool in tools if tool["function"]["name"] == name]
@@ -39,10 +42,34 @@ def forced_call(tools: list[dict], tool_choice) -> StructuredOutput | None:
 
 
 def _call_schema(tool: dict) -> dict:
+    """{"name": N, "arguments": <the parameters' schema>}. The parameters' own definitions
+    (`$defs`, or draft 7's `definitions`: what pydantic writes for any nested model or enum) move
+    to the wrapper's root, where their `$ref`s ("#/$defs/X") point, renamed per function so that
+    the calls of several functions (tool_choice "required") keep theirs apart."""
     function = tool["function"]
-    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": function["name"]},
-                           "arguments": function.get("parameters") or {"type": "object"}}}
+    parameters = dict(function.get("parameters") or {"type": "object"})
+    definitions = {**parameters.pop("definitions", {}), **parameters.pop("$defs", {})}
+    prefix = f"{function['name']}."
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": function["name"]}, "arguments": _renamed_refs(parameters, prefix)}}
+    if definitions:
+        schema["$defs"] = {prefix + name: _renamed_refs(value, prefix) for name, value in definitions.items()}
+    return schema
+
+
+def _renamed_refs(schema, prefix: str):
+    """The schema with each reference to a definition pointing at its hoisted, renamed copy."""
+    if isinstance(schema, list):
+        return [_renamed_refs(item, prefix) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    renamed = {key: _renamed_refs(value, prefix) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        for root in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(root):
+                renamed["$ref"] = "#/$defs/" + prefix + ref[len(root):]
+    return renamed
 
 
 def offer_tools(messages: list[dict], tools: list[dict], template_knows_tools: bool) -> tuple[list[dict], list[dict] | None]:

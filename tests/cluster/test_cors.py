@@ -1,15 +1,14 @@
 """CORS on the HTTP app: off unless origins are configured, then for those origins only (the app
-alone, around a stand-in for the Ingress that answers /health)."""
+alone, around a stand-in for the OpenAI service that answers /health)."""
 
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.serve.ingress import build_fastapi_app
+from cluster.serve.openai_adapter import build_fastapi_app
 
 
-class HealthyIngress:
-    def __init__(self, origins):
-        self.cors_allowed_origins = origins
+class HealthyService:
+    pipeline = None  # /health asks none
 
     async def health(self):
         return {"status": "ok", "model": "m"}
@@ -20,7 +19,7 @@ def preflight(client: TestClient, origin: str):
 
 
 def test_no_cors_unless_configured():
-    client = TestClient(build_fastapi_app(HealthyIngress([])))
+    client = TestClient(build_fastapi_app(HealthyService(), []))
     answer = client.get("/health", headers={"Origin": "https://evil.example"})
     assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
     assert "access-control-allow-origin" not in preflight(client, "https://evil.example").headers
@@ -28,7 +27,7 @@ def test_no_cors_unless_configured():
 
 @pytest.mark.parametrize("origin, allowed", [("https://app.example", True), ("https://evil.example", False)])
 def test_configured_origins_only(origin, allowed):
-    client = TestClient(build_fastapi_app(HealthyIngress(["https://app.example"])))
+    client = TestClient(build_fastapi_app(HealthyService(), ["https://app.example"]))
     answer = preflight(client, origin)
     assert (answer.headers.get("access-control-allow-origin") == origin) is allowed
     assert (client.get("/health", headers={"Origin": origin}).headers.get("access-control-allow-origin") == origin) is allowed

@@ -85,6 +85,9 @@ COMPLETIONS = "/v1/completions"
         (COMPLETIONS, json.dumps({"prompt": "word " * 200_000}), 400, "prompt", "characters, more than a context"),
         (COMPLETIONS, json.dumps({"prompt": "x" * (5 << 20)}), 413, None, "the cap is 4194304 bytes"),
         (COMPLETIONS, "{not json", 400, "body", "not valid JSON"),
+        (CHAT, json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "segment": "document"}]}]}),
+         400, "messages[0].content[0].segment", "not a field of a content part"),
+        (COMPLETIONS, json.dumps({"model": "gpt-4o", "prompt": "hi"}), 404, "model", "'gpt-4o' does not exist"),
     ],
 )
 def test_http_bad_input_is_refused_and_hurts_no_one_beside_it(server, beside, path, raw, status, param, says):

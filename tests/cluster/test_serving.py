@@ -11,6 +11,7 @@ import requests
 from openai import OpenAI
 
 from cluster import SamplingParams
+from cluster.model_fetch import DEFAULT_MODEL_NAME as MODEL
 from protos import inference_pb2 as pb
 from tests.parity_prompts import CHAT_QUESTIONS
 
@@ -162,35 +163,35 @@ def test_grpc_raw_prompt_n2_and_logprobs(stub):
 
 def test_openai_chat_and_completions_equal_the_offline_engine(client, llm, offline_answers):
     chat = client.chat.completions.create(
-        model="pagoda", messages=[{"role": "user", "content": CHAT_QUESTIONS[1]}], **GREEDY)
+        model=MODEL, messages=[{"role": "user", "content": CHAT_QUESTIONS[1]}], **GREEDY)
     assert chat.choices[0].message.content == offline_answers[1].text
     assert chat.usage.completion_tokens == len(offline_answers[1].token_ids)
     streamed = "".join(
         chunk.choices[0].delta.content or ""
         for chunk in client.chat.completions.create(
-            model="pagoda", messages=[{"role": "user", "content": CHAT_QUESTIONS[2]}], stream=True, **GREEDY)
+            model=MODEL, messages=[{"role": "user", "content": CHAT_QUESTIONS[2]}], stream=True, **GREEDY)
         if chunk.choices
     )
     assert streamed == offline_answers[2].text
     expected = llm.generate("The capital of France is", SamplingParams(**GREEDY))[0].outputs[0].text
-    completion = client.completions.create(model="pagoda", prompt="The capital of France is", **GREEDY)
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", **GREEDY)
     assert completion.choices[0].text == expected
     chunks = list(client.completions.create(
-        model="pagoda", prompt="The capital of France is", stream=True, stream_options={"include_usage": True}, **GREEDY))
+        model=MODEL, prompt="The capital of France is", stream=True, stream_options={"include_usage": True}, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
 
 
 def test_openai_n2_and_stop(client):
     out = client.chat.completions.create(
-        model="pagoda", messages=[{"role": "user", "content": "Tell me a story."}],
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}],
         n=2, max_tokens=12, temperature=1.0, seed=11)
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.choices[0].message.content != out.choices[1].message.content
-    full = client.completions.create(model="pagoda", prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0)
+    full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0)
     text = full.choices[0].text
     stop = text[6:9]
-    cut = client.completions.create(model="pagoda", prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0, stop=[stop])
+    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0, stop=[stop])
     assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
 

@@ -90,3 +90,47 @@ def test_a_schema_that_cannot_compile_is_refused_naming_the_field(llm, schema, p
         llm.run([llm.encode(messages=chat("Hi"))], params)
     assert refused.value.field == "response_format.json_schema"
     assert llm.engine.num_free_blocks == llm.engine.num_blocks  # nothing was admitted
+
+
+def test_an_unresolvable_reference_is_refused_without_the_compilers_source_location(llm):
+    schema = json.dumps({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}})
+    params = SamplingParams(max_tokens=8, structured_output=StructuredOutput("json_schema", schema))
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.run([llm.encode(messages=chat("Hi"))], params)
+    assert "$defs" in str(refused.value) and ".cc" not in str(refused.value) and "/project" not in str(refused.value)
+
+
+def test_a_forced_call_of_tools_with_nested_models_follows_their_references(llm):
+    """What openai.pydantic_function_tool (and instructor's TOOLS mode) sends for a nested model
+    or an enum: parameters with `$defs` and `$ref`s into them."""
+    import enum
+
+    import openai
+    import pydantic
+
+    from cluster.serve.tools import forced_call
+
+    class Unit(str, enum.Enum):
+        celsius = "celsius"
+        fahrenheit = "fahrenheit"
+
+    class Place(pydantic.BaseModel):
+        city: str
+        country: str
+
+    class Weather(pydantic.BaseModel):
+        place: Place
+        unit: Unit
+
+    class Visit(pydantic.BaseModel):
+        place: Place
+        days: int
+
+    tools = [openai.pydantic_function_tool(Weather), openai.pydantic_function_tool(Visit)]
+    prompt = llm.encode(messages=chat("What is the weather in Paris, France, in celsius?"))
+    for choice in ({"type": "function", "function": {"name": "Weather"}}, "required"):
+        params = SamplingParams(max_tokens=96, temperature=0, structured_output=forced_call(tools, choice))
+        [answer] = llm.run([prompt], params)
+        assert answer.outputs[0].finish_reason == "stop", answer.outputs[0].text
+        call = json.loads(answer.outputs[0].text)
+        {"Weather": Weather, "Visit": Visit}[call["name"]].model_validate(call["arguments"])
