@@ -22,7 +22,7 @@ from cache_service.offload import KVOffload
 from cache_service.tiers import DiskTier
 from cluster.bench.report import markdown_rows, save_rows
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model_fetch import fetch_default_model
 from tests.parity_prompts import long_document
@@ -46,7 +46,7 @@ def transposed_unshuffle(shuffled: np.ndarray, elem: int) -> bytes:
 
 
 def real_kv_blocks(num_blocks: int) -> list[np.ndarray]:
-    engine = LLMEngine.from_config(EngineConfig(model=str(fetch_default_model()), num_blocks=num_blocks + 8))
+    engine = build_engine(EngineConfig(model=str(fetch_default_model()), num_blocks=num_blocks + 8))
     prompt = engine.tokenizer(long_document(20_000)).input_ids[: num_blocks * engine.config.block_size]
     engine.add_request("fill", prompt, SamplingParams(max_tokens=1, temperature=0))
     while engine.has_unfinished_requests():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cluster.bench.report import markdown_rows, save_rows
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model_fetch import fetch_default_model
 from tests.parity_prompts import long_document
@@ -30,7 +30,7 @@ from tests.parity_prompts import long_document
 
 def run(model_dir: str, prefetch: bool, docs: list[list[int]], streams: int) -> dict:
     directory = Path(tempfile.mkdtemp(prefix="pagoda-prefetch-"))
-    engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=1200, max_num_seqs=8, max_num_batched_tokens=256,
+    engine = build_engine(EngineConfig(model=model_dir, num_blocks=1200, max_num_seqs=8, max_num_batched_tokens=256,
                                     disk_kv_bytes=4 << 30, kv_cache_dir=str(directory), kv_prefetch=prefetch))
     first = SamplingParams(max_tokens=1, temperature=0)
     for i, doc in enumerate(docs):  # put every document's KV on disk

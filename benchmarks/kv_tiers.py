@@ -25,6 +25,7 @@ from cache_service import page_codec
 from cluster.bench.report import markdown_rows, save_rows
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model_fetch import fetch_default_model
 from tests.parity_prompts import long_document
@@ -41,7 +42,7 @@ def ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
 
 
 def engine(model_dir: str, directory: Path, host: bool, disk: bool, codec: str) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=600, max_num_batched_tokens=512,
+    return build_engine(EngineConfig(model=model_dir, num_blocks=600, max_num_batched_tokens=512,
                                   host_kv_bytes=(2 << 30) if host else 0, disk_kv_bytes=(8 << 30) if disk else 0,
                                   kv_cache_dir=str(directory), kv_page_codec=codec))
 
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_tiers.json"))
     args = parser.parse_args()
     model_dir = str(fetch_default_model())
-    cold = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=600, max_num_batched_tokens=512, enable_prefix_caching=False))
+    cold = build_engine(EngineConfig(model=model_dir, num_blocks=600, max_num_batched_tokens=512, enable_prefix_caching=False))
     tokenizer = cold.tokenizer
     text = long_document(60_000)
     rows = []

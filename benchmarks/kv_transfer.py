@@ -25,6 +25,7 @@ import ray
 from cluster.bench.report import markdown_rows, save_rows
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model_fetch import fetch_default_model
 
@@ -35,7 +36,7 @@ class DecodeSide:
         import torch
 
         torch.set_num_threads(threads)
-        self.engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=1024, kv_role="decode",
+        self.engine = build_engine(EngineConfig(model=model_dir, num_blocks=1024, kv_role="decode",
                                              enable_prefix_caching=False))
 
     def first_steps(self, request_id: str, prompt: list[int], prefilled) -> tuple[float, float]:
@@ -72,7 +73,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # one core each side, as a disaggregated pair on this 2-core machine
-    engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=1024, kv_role="prefill", enable_prefix_caching=False,
+    engine = build_engine(EngineConfig(model=model_dir, num_blocks=1024, kv_role="prefill", enable_prefix_caching=False,
                                     max_num_batched_tokens=512))
     decode = DecodeSide.remote(model_dir, 1)
     rows = []

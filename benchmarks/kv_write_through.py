@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cluster.bench.report import markdown_rows, save_rows
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model_fetch import fetch_default_model
 
@@ -23,7 +23,7 @@ from cluster.model_fetch import fetch_default_model
 def run(model_dir: str, prompts: list[list[int]], max_tokens: int, write_through: bool) -> dict:
     directory = Path(tempfile.mkdtemp(prefix="pagoda-wt-"))
     tiers = dict(disk_kv_bytes=8 << 30, kv_cache_dir=str(directory), kv_write_through=True) if write_through else {}
-    engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=2048, max_num_seqs=len(prompts), **tiers))
+    engine = build_engine(EngineConfig(model=model_dir, num_blocks=2048, max_num_seqs=len(prompts), **tiers))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):

@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 from cluster.model_fetch import fetch_default_model
 from model.config import QUANTIZATION_MODES
 from model.loader import parse_dtype
-from model.runner import ModelRunner, SequenceInput
+from cluster.engine.executor import SequenceInput
+from model.runner import ModelRunner
 from tests.parity_prompts import long_document
 
 

@@ -23,6 +23,7 @@ import torch
 from cluster.bench.report import markdown_rows, save_rows
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.structured_output import StructuredOutput
 from cluster.model_fetch import fetch_default_model
@@ -78,7 +79,7 @@ def main():
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", default="benchmarks/results/structured_output_cost.json")
     args = parser.parse_args()
-    engine = LLMEngine.from_config(EngineConfig(model=str(fetch_default_model()), max_num_seqs=args.batch))
+    engine = build_engine(EngineConfig(model=str(fetch_default_model()), max_num_seqs=args.batch))
     decode_steps(engine, args.batch, 5, None)  # warm-up
     rows = [{"case": "no grammar", "step_ms": statistics.median(decode_steps(engine, args.batch, args.steps, None)) * 1e3}]
     for label, max_length in (("strings free", None), ("strings maxLength 12", 12)):

@@ -29,6 +29,7 @@ from cluster.bench.metrics import percentile
 from cluster.bench.report import markdown_rows, save_rows
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.model_fetch import fetch_default_model
 
@@ -99,7 +100,7 @@ def main():
                 for tenant, rate, seed in (("b", args.rate_b, 1), ("a", 10 * args.rate_b, 2))}
 
     def engine(policy: str) -> LLMEngine:
-        return LLMEngine.from_config(EngineConfig(
+        return build_engine(EngineConfig(
             model=model, max_num_seqs=args.max_num_seqs, tenant_scheduling=policy,
             max_num_batched_tokens=args.max_num_batched_tokens))
 

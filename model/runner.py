@@ -11,24 +11,25 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from cluster.engine.executor import SampledToken, SequenceInput, StepOutput
 from model.attention import AttentionContext, build_attention_context
 from model.attention_flashinfer import build_flashinfer_attention
 from model.config import ModelConfig
 from model.cpu_ops import cpu_ops
 from model.decode_stack import build_decode_stack
-from model.kv_transfer import KVExporter, KVImport, KVPart, from_numpy, install, to_numpy, token_slots
+from model.kv_transfer import KVExporter, from_numpy, install, to_numpy, token_slots
 from model.llama import LlamaForCausalLM
 from model.loader import dtype_name, load_weights
 from model.multimodal import MultimodalSpec
 from model.quantization import GroupedWeight, check_mode, choose_dense_from
-from model.sampler import SamplingRow, TokenLogprobs, sample
+from model.sampler import sample
 from model.tp_layout import head_shard
 
 
@@ -36,32 +37,6 @@ from model.tp_layout import head_shard
 # queries share the K/V reads (measured in docs/benchmarks.md).
 KERNEL_MAX_QUERIES = 16
 KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches the paged kernel reads
-
-
-@dataclass(slots=True)
-class SequenceInput:
-    new_token_ids: list[int]  # tokens whose KV this step computes
-    num_computed_tokens: int  # tokens already in the cache before them
-    block_ids: list[int]
-    sampling: SamplingRow | None  # None: a prefill chunk that is not the prompt's last
-    export_kv_from: int | None = None  # export the KV of positions [this, end of the step)
-    import_kv: KVImport | None = None  # KV computed elsewhere, written in before the step
-    restore_blocks: list[tuple[int, bytes]] | None = None  # (block id, page payload) from a lower tier
-    # media embeddings that replace the embeddings of some new tokens: (offset among new_token_ids, rows)
-    embeds: list[tuple[int, torch.Tensor]] | None = None
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None
-
-
-@dataclass(slots=True)
-class StepOutput:
-    sampled: list[SampledToken | None]  # per input sequence; None mid-prefill (or failed)
-    kv_parts: list[list[KVPart]]  # per input sequence: what it exported (disaggregated prefill)
-    failed: dict[int, str] = field(default_factory=dict)  # input index -> why it got no token
 
 
 @dataclass(slots=True)

@@ -8,7 +8,6 @@ the serving front (validation, tenants, errors, structured output), not Ray.
 
 from __future__ import annotations
 
-import asyncio
 
 import grpc
 from fastapi.testclient import TestClient

@@ -243,7 +243,7 @@ class EngineBackend:
         import uuid
 
         from cluster.engine.sampling_params import SamplingParams
-        from cluster.serve.llm_server import GenerationRequest
+        from cluster.serve.generation import GenerationRequest
 
         record.start = time.perf_counter()
         token_ids = self.server.engine.encode_prompt(prompt, messages)  # the ingress tokenizes too

@@ -6,8 +6,9 @@
     deltas <── Request.append_output (detokenize, stop checks) <── update(plan, output) <─┘
 
 The engine owns the tokenizer, the block manager, the KV connector and the scheduler; it is handed
-an Executor (cluster/engine/executor.py: one process, or a tensor-parallel group) built from the
-config by `cluster.executor.factory`. It is synchronous and single-threaded; the server
+an Executor (cluster/engine/executor.py: one process, or a tensor-parallel group) and the KV tiers
+below device memory, both built from the config by `cluster.executor.factory.build_engine`. It is
+synchronous and single-threaded; the server
 (cluster/serve) runs its step loop in a thread.
 
 A fault belongs to the request that caused it: a request whose numbers go bad fails alone
@@ -28,11 +29,11 @@ import torch
 from transformers import AutoTokenizer
 
 from cache_service import KVCacheManager
-from cache_service.offload import KVOffload, build_offload
+from cache_service.offload import KVOffload
 from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.errors import InvalidRequestError, WorkerLostError
-from cluster.engine.executor import Executor
+from cluster.engine.executor import Executor, SampledToken, SequenceInput, StepOutput
 from cluster.engine.kv_connector import KVConnector
 from cluster.engine.media import MediaItem, place_media, step_embeds
 from cluster.engine.outputs import PrefillResult, RequestDelta
@@ -44,7 +45,7 @@ from cluster.engine.stats import EngineStats
 from model.loader import parse_dtype, weights_fingerprint
 from model.kv_transfer import KVImport
 from model.multimodal import MultimodalSpec
-from model.runner import SampledToken, SequenceInput, StepOutput, kv_bytes_per_block
+from model.runner import kv_bytes_per_block
 from model.sampler import SamplingRow
 
 logger = logging.getLogger("pagoda.engine")
@@ -54,7 +55,7 @@ BROKEN_AFTER_FAILED_STEPS = 3
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor):
+    def __init__(self, config: EngineConfig, executor: Executor, offload: KVOffload | None = None):
         self.config = config
         model_dir = Path(config.model)
         self.executor = executor
@@ -63,11 +64,10 @@ class LLMEngine:
         self.max_model_len = min(executor.max_model_len, executor.num_blocks * config.block_size)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.prompts = PromptEncoder(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
-        self.model_identity = _model_identity(model_dir, config)
+        self.model_identity = model_identity(model_dir, config)
         self.multimodal = MultimodalSpec.from_dir(model_dir)  # None: text only
         self.encoder = self._build_encoder(config) if self.multimodal and config.encoder == "colocated" else None
         self._media_prompts = None  # built on first use
-        offload = self._build_offload(config)
         self.kv_cache = KVCacheManager(executor.num_blocks, config.block_size, self.model_identity,
                                        config.enable_prefix_caching, lower_tiers=offload is not None,
                                        write_through=config.kv_write_through)
@@ -83,13 +83,6 @@ class LLMEngine:
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self.num_failed_steps_in_a_row = 0
         self._last_step_s = self._last_execute_s = 0.0
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """An engine with the executor its config asks for (cluster.executor.factory)."""
-        from cluster.executor.factory import build_executor
-
-        return cls(config, build_executor(config))
 
     # ---- input ---------------------------------------------------------------------------
 
@@ -396,15 +389,6 @@ class LLMEngine:
         if all(child.is_finished for child in children):
             self._requests.pop(parent_id, None)
 
-    def _build_offload(self, config: EngineConfig) -> KVOffload | None:
-        c = self.model_config
-        # Pages hold every KV head whatever the TP degree (TPGroup.read_blocks joins the ranks'),
-        # so the degree is not part of their identity: a TP=2 server's pages serve a TP=1 one.
-        identity = {"model": self.model_identity, "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads,
-                    "head_dim": c.head_dim, "block_size": config.block_size, "dtype": config.kv_dtype}
-        return build_offload(identity, config.host_kv_bytes, config.disk_kv_bytes, config.kv_cache_dir,
-                             config.kv_cache_service_shards, config.kv_page_codec, config.kv_cache_service_resources)
-
     # ---- introspection -------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -434,7 +418,7 @@ class LLMEngine:
         return self.executor.num_blocks
 
 
-def _model_identity(model_dir: Path, config: EngineConfig) -> str:
+def model_identity(model_dir: Path, config: EngineConfig) -> str:
     """What makes a KV page reusable: the same weights (their bytes, not the directory's name),
     layout and numerics. It roots every block hash and is in every page's header."""
     digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]

@@ -13,14 +13,14 @@ import itertools
 from tqdm import tqdm
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from cluster.engine.outputs import CompletionOutput, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str, **engine_options):
-        self.engine = LLMEngine.from_config(EngineConfig(model=str(model), **engine_options))
+        self.engine = build_engine(EngineConfig(model=str(model), **engine_options))
         self._ids = itertools.count()
 
     def generate(

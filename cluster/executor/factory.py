@@ -1,17 +1,40 @@
-"""build_executor: the Executor an EngineConfig asks for (cluster/engine/executor.py).
+"""build_engine: an LLMEngine with what its EngineConfig asks for, built here so that the engine
+is handed its parts and builds none itself:
+
+    the Executor (cluster/engine/executor.py):
 
     tensor_parallel_size 1  -> ModelRunner in this process (KV to / from other engines through
                                Ray's object store when disaggregated)
     tensor_parallel_size >1 -> TPGroup: one Ray actor per rank, in a placement group
+    the KV tiers below device memory (cache_service/offload.py): host RAM and disk in this
+    process, or the shared CacheService actors; none when no bytes are given to them
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from cache_service.offload import KVOffload, build_offload
 from cluster.engine.config import EngineConfig
+from cluster.engine.engine import LLMEngine, model_identity
 from cluster.engine.executor import Executor
+from model.config import ModelConfig
 from model.loader import parse_dtype
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    executor = build_executor(config)
+    return LLMEngine(config, executor, build_kv_tiers(config, executor.config))
+
+
+def build_kv_tiers(config: EngineConfig, model: ModelConfig) -> KVOffload | None:
+    # Pages hold every KV head whatever the TP degree (TPGroup.read_blocks joins the ranks'), so
+    # the degree is not part of their identity: a TP=2 server's pages serve a TP=1 one.
+    identity = {"model": model_identity(Path(config.model), config), "layers": model.num_hidden_layers,
+                "kv_heads": model.num_key_value_heads, "head_dim": model.head_dim, "block_size": config.block_size,
+                "dtype": config.kv_dtype}
+    return build_offload(identity, config.host_kv_bytes, config.disk_kv_bytes, config.kv_cache_dir,
+                         config.kv_cache_service_shards, config.kv_page_codec, config.kv_cache_service_resources)
 
 
 def build_executor(config: EngineConfig) -> Executor:

@@ -25,7 +25,8 @@ from cluster.engine.errors import WorkerLostError
 from cluster.ports import free_port
 from model.config import ModelConfig
 from model.extension_lock import sole_loader
-from model.runner import ModelRunner, StepOutput, kv_bytes_per_block
+from cluster.engine.executor import StepOutput
+from model.runner import ModelRunner, kv_bytes_per_block
 from model.tp_layout import head_shard
 
 

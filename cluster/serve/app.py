@@ -29,7 +29,8 @@ from cluster.serve.in_process import InProcess
 from cluster.serve.ingress import Ingress
 from cluster.serve.ledger import TenantLedger
 from cluster.serve.limits import InputLimits
-from cluster.serve.llm_server import LLMServer, RequestDeadline
+from cluster.serve.generation import RequestDeadline
+from cluster.serve.llm_server import LLMServer
 from cluster.serve.tenants import load_keys_file
 
 GRPC_SERVICERS = ["cluster.serve.grpc_servicer.add_inference_servicer", "cluster.serve.grpc_servicer.add_health_servicer"]

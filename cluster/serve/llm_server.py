@@ -28,17 +28,15 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
-from cluster.engine.media import MediaItem
+from cluster.executor.factory import build_engine
 from cluster.engine.outputs import PrefillResult, RequestDelta, coalesce
-from cluster.engine.sampling_params import SamplingParams
-from cluster.executor.factory import build_executor
+from cluster.serve.delta_stream import DeltaStream, stream_interval
+from cluster.serve.generation import GenerationRequest, RequestDeadline
 from cluster.serve.autoscaling import RecentPercentile, replica_signals
 from cluster.serve.drain import DrainWatcher, ServerDrainingError, replica_name
 from cluster.serve.errors import EngineOverloadedError, RequestFailedError, RequestTimeoutError, WorkerLostError
@@ -48,91 +46,8 @@ from cluster.serve.metrics import EngineMetrics, MediaMetrics, start_gpu_telemet
 logger = logging.getLogger("pagoda.llm_server")
 
 
-class RequestDeadline(BaseModel):
-    """A request's server-side deadline when its client sets none: time in proportion to its size,
-    so that a short request that hangs is stopped long before a long one would be. No deadline is
-    ever longer than the server's request_timeout_s."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    base_s: float = Field(120.0, gt=0, description="for queueing and the first step, whatever the size")
-    per_prompt_token_s: float = Field(0.02, ge=0)
-    per_output_token_s: float = Field(0.5, ge=0, description="per token of max_tokens, for each of n candidates")
-
-    def for_size(self, prompt_tokens: int, output_tokens: int) -> float:
-        return self.base_s + prompt_tokens * self.per_prompt_token_s + output_tokens * self.per_output_token_s
-
-
-@dataclass(slots=True)
-class GenerationRequest:
-    """What the ingress hands to the LLMServer: already tokenized and validated."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    timeout_s: float | None = None  # the client's; None: RequestDeadline's for its size
-    # Images or audio clips in the order of their placeholders in the prompt: with embeddings when
-    # an EncoderServer encoded them, else the processor's output, encoded by this server's engine.
-    media: list[MediaItem] = field(default_factory=list)
-    # Who asks (from the API key, on the server; None on an open server), and the client's own
-    # cache_salt: both salt the KV block hashes, so KV is shared only within a tenant and a salt.
-    tenant: str | None = None
-    cache_salt: str | None = None
-    weight: float = 1.0  # the tenant's share of an engine under contention, against other tenants
-
-    @property
-    def salt(self) -> str | None:
-        if self.tenant is None and self.cache_salt is None:
-            return None
-        return f"{self.tenant or ''}\0{self.cache_salt or ''}"
-
-    @property
-    def prompt(self) -> str:
-        """The prompt as one character per token, for Serve's PrefixCacheAffinityRouter (which
-        matches string prefixes): a shared string prefix is exactly a shared token prefix."""
-        return "".join(map(chr, self.prompt_token_ids))
-
-
-@dataclass(slots=True)
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    deadline: float | None
-    num_unfinished: int  # candidates still to finish (engine thread only)
-    arrival: float = 0.0
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens: int = 0
-    held: list = field(default_factory=list)  # deltas kept back for the next message (stream_interval)
-
-    def put(self, *items) -> bool:
-        """Hand the held deltas and these items to the caller's event loop in one callback (the
-        caller then takes them as one message); False when that loop is gone."""
-        items, self.held = [*self.held, *items], []
-        try:
-            self.loop.call_soon_threadsafe(_put_all, self.queue, items)
-            return True
-        except RuntimeError:  # the loop was closed: nobody will read this stream again
-            return False
-
-
-def _put_all(queue_: asyncio.Queue, items: list) -> None:
-    for item in items:
-        queue_.put_nowait(item)
-
-
 # Decodes per step up to which the engine may leave a core to the serving processes (_is_light_step).
 LIGHT_STEP_ROWS = 4
-STREAMS_PER_EXTRA_TOKEN = 8  # by load: one more token per message for every 8 streams running...
-MAX_STREAM_INTERVAL = 4  # ...up to 4 (a step of 64 streams takes ~0.4 s here: 1.6 s between messages)
-
-
-def _stream_interval(num_running: int) -> int:
-    """Tokens per message by load: one each up to 15 streams, 4 from 32 (served on 2 cores, 32
-    streams: TPOT 306 -> 217 ms, output 95 -> 133 tok/s; docs/benchmarks.md), so a few streams
-    see every token at once and many streams do not drown the serving path in messages."""
-    return max(1, min(MAX_STREAM_INTERVAL, num_running // STREAMS_PER_EXTRA_TOKEN))
-
 
 class LLMServer:
     def __init__(
@@ -147,7 +62,7 @@ class LLMServer:
     ):
         self.max_waiting_requests = max_waiting_requests
         # Tokens of one stream per message after its first (vLLM's stream_interval; None: by load,
-        # _stream_interval): every message costs each hop (LLMServer -> ingress -> proxy -> client)
+        # delta_stream.stream_interval): every message costs each hop (LLMServer -> ingress -> proxy -> client)
         # CPU that, on a small node, the engine's step waits for. The first token, the last and
         # errors go at once.
         self.stream_interval = stream_interval
@@ -157,7 +72,7 @@ class LLMServer:
         self._worker_lost: str | None = None  # why the engine can no longer run, if it cannot
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, DeltaStream] = {}  # engine thread only
         self._ids = itertools.count()
         self._stopped = False
         self._ready = threading.Event()
@@ -216,7 +131,7 @@ class LLMServer:
     async def _generate(self, request: GenerationRequest, arrival: float, export_kv: bool = False, prefilled=None):
         self._check_admission(request)
         timeout = self._timeout(request)
-        stream = _Stream(
+        stream = DeltaStream(
             asyncio.get_running_loop(), asyncio.Queue(), arrival + timeout if timeout else None,
             request.params.n, arrival=arrival,
         )
@@ -338,7 +253,7 @@ class LLMServer:
         torch.set_num_threads(threads)
         light_threads = LightStepThreads(threads)
         try:
-            engine = LLMEngine.from_config(EngineConfig(**engine_config))
+            engine = build_engine(EngineConfig(**engine_config))
         except BaseException as e:  # noqa: BLE001 - handed to __init__, which raises it
             built.set_exception(e)
             return
@@ -488,9 +403,9 @@ class LLMServer:
             if stream.num_unfinished == 0:
                 del self._streams[delta.request_id]
 
-    def _holds(self, stream: _Stream, delta: RequestDelta) -> bool:
+    def _holds(self, stream: DeltaStream, delta: RequestDelta) -> bool:
         """Whether this delta waits for the next message of its stream."""
-        interval = self.stream_interval or _stream_interval(self._last_stats.num_running)
+        interval = self.stream_interval or stream_interval(self._last_stats.num_running)
         return interval > 1 and stream.first_token is not None and not delta.finished and len(stream.held) + 1 < interval
 
     def _flush_stalled(self, stepped: set[str]) -> None:
@@ -501,7 +416,7 @@ class LLMServer:
                 self.engine.abort_request(request_id)
                 del self._streams[request_id]
 
-    def _record_latency(self, stream: _Stream, delta: RequestDelta) -> None:
+    def _record_latency(self, stream: DeltaStream, delta: RequestDelta) -> None:
         now, m = time.monotonic(), self.metrics
         m.generation_tokens.inc(len(delta.new_token_ids))
         if stream.first_token is None:

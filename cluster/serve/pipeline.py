@@ -44,7 +44,7 @@ from cluster.serve.errors import (
 from cluster.serve.front_door import FrontDoorFlag
 from cluster.serve.ledger import Admission, RequestMeter, RequestSize
 from cluster.serve.limits import InputLimits
-from cluster.serve.llm_server import GenerationRequest
+from cluster.serve.generation import GenerationRequest
 from cluster.serve.served_model import ServedModel
 from cluster.serve.tenants import ComputeUnitPrices, KeyRing, TenantsFile, bearer_key
 

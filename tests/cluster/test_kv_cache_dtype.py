@@ -8,6 +8,7 @@ import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from tests.cluster.test_kv_tiers_engine import answer
 from tests.parity_prompts import DOC
 
@@ -20,7 +21,7 @@ def prompt(tokenizer):
 
 
 def engine_of(model_dir, **options) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=model_dir, max_num_batched_tokens=128, **options))
+    return build_engine(EngineConfig(model=model_dir, max_num_batched_tokens=128, **options))
 
 
 def test_a_bf16_cache_holds_twice_the_blocks_and_gives_them_all_back(model_dir, prompt):

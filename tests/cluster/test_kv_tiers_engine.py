@@ -11,6 +11,7 @@ import pytest
 from cache_service.hashing import hash_full_blocks, root_hash
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from cluster.engine.sampling_params import SamplingParams
 from tests.cache_service.test_page_codec import damage
 from tests.model.test_kv_transfer import run_to_end
@@ -30,7 +31,7 @@ def answer(engine: LLMEngine, request_id: str, prompt: list[int]) -> list[int]:
 
 def small_engine(model_dir, tmp_path, host=True, disk=True) -> LLMEngine:
     # 48 blocks of 16 tokens: one 600-token prompt fits, a second one evicts the first's blocks
-    return LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
+    return build_engine(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
                                   host_kv_bytes=(64 << 20) if host else 0, disk_kv_bytes=(256 << 20) if disk else 0,
                                   kv_cache_dir=str(tmp_path / "kv")))
 
@@ -44,7 +45,7 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def cold(model_dir, prompts):
-    engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=64, enable_prefix_caching=False))
+    engine = build_engine(EngineConfig(model=model_dir, num_blocks=64, enable_prefix_caching=False))
     return answer(engine, "cold", prompts[0])
 
 
@@ -142,7 +143,7 @@ def chat_prompts(tokenizer):
 def test_a_chat_document_comes_back_whole_after_a_crash(model_dir, tmp_path, chat_prompts):
     """The shared head (system prompt) is never evicted, but it is written down once when a second
     request first shares it: after a crash (no drain) a new engine restores every block."""
-    cold_engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=64, enable_prefix_caching=False))
+    cold_engine = build_engine(EngineConfig(model=model_dir, num_blocks=64, enable_prefix_caching=False))
     cold_answer = answer(cold_engine, "cold", chat_prompts[0])
     engine = small_engine(model_dir, tmp_path)
     answer(engine, "first", chat_prompts[0])
@@ -178,13 +179,13 @@ def test_pages_of_other_weights_are_never_used(tmp_path, model_dir):
              for name, seed in (("a", 0), ("b", 1))]
     prompt = list(range(100, 300))
     config = dict(num_blocks=32, max_num_batched_tokens=256, disk_kv_bytes=64 << 20, kv_cache_dir=str(tmp_path / "kv"))
-    first = LLMEngine.from_config(EngineConfig(model=paths[0], **config))
+    first = build_engine(EngineConfig(model=paths[0], **config))
     first_answer = answer(first, "a", prompt)
     assert first.spill_prefix_cache() == (len(prompt) - 1) // 16  # its pages are on disk
-    second = LLMEngine.from_config(EngineConfig(model=paths[1], **config))
+    second = build_engine(EngineConfig(model=paths[1], **config))
     second_answer = answer(second, "b", prompt)
     assert second.kv_connector.offload.describe()["restored_blocks"] == 0
-    alone = LLMEngine.from_config(EngineConfig(model=paths[1], num_blocks=32, enable_prefix_caching=False))
+    alone = build_engine(EngineConfig(model=paths[1], num_blocks=32, enable_prefix_caching=False))
     assert second_answer == answer(alone, "alone", prompt) != first_answer
     assert first.model_identity != second.model_identity
 
@@ -196,7 +197,7 @@ def test_two_engines_share_the_cache_service(server, model_dir, prompts, cold):
 
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
                   kv_cache_service_shards=2)
-    first, second = LLMEngine.from_config(EngineConfig(**config)), LLMEngine.from_config(EngineConfig(**config))
+    first, second = build_engine(EngineConfig(**config)), build_engine(EngineConfig(**config))
     shared = first.kv_connector.offload.tiers[0]
     try:
         assert answer(first, "first", prompts[0]) == cold
@@ -218,7 +219,7 @@ def test_a_second_engine_restores_a_chat_document_from_the_cache_service(server,
 
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
                   kv_cache_service_shards=2)
-    first, second = LLMEngine.from_config(EngineConfig(**config)), LLMEngine.from_config(EngineConfig(**config))
+    first, second = build_engine(EngineConfig(**config)), build_engine(EngineConfig(**config))
     shared = first.kv_connector.offload.tiers[0]
     try:
         first_answer = answer(first, "first", chat_prompts[0])
@@ -234,7 +235,7 @@ def test_a_second_engine_restores_a_chat_document_from_the_cache_service(server,
 
 def test_an_unwritable_disk_tier_degrades_to_recompute(model_dir, prompts, cold, caplog):
     """A disk tier that cannot be written turns itself off; requests still get the same answer."""
-    engine = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
+    engine = build_engine(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
                                     disk_kv_bytes=64 << 20, kv_cache_dir="/proc/pagoda-cannot-write-here"))
     assert answer(engine, "first", prompts[0]) == cold
     evict(engine, prompts)
@@ -249,12 +250,12 @@ def test_write_through_survives_a_crash_without_any_eviction(model_dir, tmp_path
     document still in device memory (nothing evicted) leaves it on disk for the next one."""
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
                   kv_cache_dir=str(tmp_path / "kv"), kv_write_through=True)
-    engine = LLMEngine.from_config(EngineConfig(**config))
+    engine = build_engine(EngineConfig(**config))
     assert answer(engine, "first", prompts[0]) == cold
     engine.kv_connector.offload.flush()
     assert engine.kv_cache.pool.num_cached_blocks >= len(prompts[0]) // 16  # still all in device memory
     del engine  # a crash: no drain, no eviction
-    restarted = LLMEngine.from_config(EngineConfig(**config))
+    restarted = build_engine(EngineConfig(**config))
     assert answer(restarted, "again", prompts[0]) == cold
     restarted.kv_connector.offload.flush()
     stats = restarted.kv_connector.offload.describe()
@@ -267,7 +268,7 @@ def test_a_tp2_engine_spills_and_restores_pages_that_a_tp1_engine_can_use(server
     and a TP=1 engine on the same directory restores them too, each with the cold run's answer."""
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
                   kv_cache_dir=str(tmp_path / "kv"))
-    tp2 = LLMEngine.from_config(EngineConfig(**config, tensor_parallel_size=2, tp_collective="gloo"))  # see TP2 in test_disaggregated_serving
+    tp2 = build_engine(EngineConfig(**config, tensor_parallel_size=2, tp_collective="gloo"))  # see TP2 in test_disaggregated_serving
     try:
         assert answer(tp2, "first", prompts[0]) == cold
         evict(tp2, prompts)
@@ -275,7 +276,7 @@ def test_a_tp2_engine_spills_and_restores_pages_that_a_tp1_engine_can_use(server
         assert tp2.kv_connector.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
     finally:
         tp2.executor.shutdown()
-    tp1 = LLMEngine.from_config(EngineConfig(**config))
+    tp1 = build_engine(EngineConfig(**config))
     assert answer(tp1, "tp1", prompts[0]) == cold
     assert tp1.kv_connector.offload.describe()["restored_from"]["disk"] == len(prompts[0]) // 16
 
@@ -289,7 +290,7 @@ def test_a_prefill_engine_exports_the_blocks_it_restored(model_dir, tmp_path, pr
     prefill.add_request("doc", prompts[0], dataclasses.replace(GREEDY, max_tokens=1), export_kv=True)
     (last,) = run_to_end(prefill)["doc"]
     assert prefill.kv_connector.offload.describe()["restored_from"]["host"] == len(prompts[0]) // 16
-    decode = LLMEngine.from_config(EngineConfig(model=model_dir, num_blocks=64))
+    decode = build_engine(EngineConfig(model=model_dir, num_blocks=64))
     first = decode.add_request("doc", prompts[0], GREEDY, prefilled=last.prefilled)
     assert [first[0].new_token_ids[0]] + [d.new_token_ids[0] for d in run_to_end(decode)["doc"]] == cold
 
@@ -301,7 +302,7 @@ def test_a_dead_cache_service_shard_is_a_miss_not_an_error(server, model_dir, pr
 
     config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
                   kv_cache_service_shards=2)
-    engine = LLMEngine.from_config(EngineConfig(**config))
+    engine = build_engine(EngineConfig(**config))
     shared = engine.kv_connector.offload.tiers[0]
     try:
         assert answer(engine, "first", prompts[0]) == cold

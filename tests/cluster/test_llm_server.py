@@ -6,7 +6,8 @@ import pytest
 
 from cluster import SamplingParams
 from cluster.serve.errors import EngineOverloadedError, RequestTimeoutError
-from cluster.serve.llm_server import GenerationRequest, LLMServer
+from cluster.serve.generation import GenerationRequest
+from cluster.serve.llm_server import LLMServer
 
 LONG = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
 
@@ -143,9 +144,9 @@ def test_a_preempted_stream_sends_what_it_holds(make_server):
 
 
 def test_by_load_one_token_per_message_for_a_few_streams_up_to_four_for_many():
-    from cluster.serve.llm_server import _stream_interval
+    from cluster.serve.delta_stream import stream_interval
 
-    assert [_stream_interval(n) for n in (0, 1, 15, 16, 24, 31, 32, 64, 500)] == [1, 1, 1, 2, 3, 3, 4, 4, 4]
+    assert [stream_interval(n) for n in (0, 1, 15, 16, 24, 31, 32, 64, 500)] == [1, 1, 1, 2, 3, 3, 4, 4, 4]
 
 
 def test_held_tokens_reach_the_client_before_an_error(make_server):

@@ -6,7 +6,8 @@ import torch
 
 from model import decode_stack
 from model.cpu_ops import cpu_ops
-from model.runner import ModelRunner, SequenceInput
+from cluster.engine.executor import SequenceInput
+from model.runner import ModelRunner
 from tests.model.test_tiny_models import ARCHITECTURES, save_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="Pagoda's CPU kernels could not be built here")

@@ -13,9 +13,11 @@ import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.executor.factory import build_engine
 from cluster.engine.sampling_params import SamplingParams
 from model.kv_transfer import KVImport, KVPart
-from model.runner import ModelRunner, SequenceInput
+from cluster.engine.executor import SequenceInput
+from model.runner import ModelRunner
 from model.sampler import SamplingRow
 from tests.model.test_tensor_parallel import ThreadAllReduce, run_step
 from tests.parity_prompts import DOC
@@ -46,7 +48,7 @@ def covered(parts: list[KVPart], num_layers: int, num_kv_heads: int, stop: int) 
 
 def test_prefill_on_one_engine_decode_on_another_equals_one_engine(model_dir, tokenizer):
     config = dict(model=model_dir, num_blocks=128, max_num_batched_tokens=96)
-    single = LLMEngine.from_config(EngineConfig(**config))
+    single = build_engine(EngineConfig(**config))
     prompts = {
         "short": single.encode_prompt(messages=[{"role": "user", "content": "What is the capital of France?"}]),
         "doc": tokenizer(DOC[:1500] + "\nSummarize the text above in one line:").input_ids,  # several chunks
@@ -54,7 +56,7 @@ def test_prefill_on_one_engine_decode_on_another_equals_one_engine(model_dir, to
     }
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
-    prefill, decode = LLMEngine.from_config(EngineConfig(**config)), LLMEngine.from_config(EngineConfig(**config))
+    prefill, decode = build_engine(EngineConfig(**config)), build_engine(EngineConfig(**config))
     for name, params in [("greedy", greedy), ("seeded", seeded)]:
         expected = {}
         for key, ids in prompts.items():

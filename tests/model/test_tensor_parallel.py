@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from model.config import UnsupportedModelError
-from model.runner import ModelRunner, SequenceInput
+from cluster.engine.executor import SequenceInput
+from model.runner import ModelRunner
 from model.sampler import SamplingRow
 from model.tp_layout import HeadShard, head_shard
 
