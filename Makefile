@@ -1,12 +1,13 @@
 # make serve: fresh clone -> .venv -> install -> default model -> Pagoda on a local Ray cluster
 #             (gRPC :9000, OpenAI HTTP :8000; prints "pagoda ready ..."; Ctrl-C stops it and Ray)
 # make test:  fresh clone -> .venv -> install -> default model -> the whole test suite
+# make test-fast: the tests that need no Ray cluster and no served model (the inner loop)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve demo test bench clean
+.PHONY: install model serve demo test test-fast bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +34,9 @@ demo: model
 
 test: model
 	$(BIN)/python -m pytest -q --durations=30 tests
+
+test-fast: model
+	PAGODA_TEST_FAST=1 $(BIN)/python -m pytest -q --durations=10 -m "not ray" tests
 
 bench: model
 	$(BIN)/python -m benchmarks.offline_throughput

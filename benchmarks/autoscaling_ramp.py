@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -40,10 +41,11 @@ MAX_WORKERS = 3
 SEQS_PER_REPLICA = 2
 
 
-def app_args(model: str, autoscaled: bool, disaggregated: bool, downscale_delay_s: float = 15.0) -> dict:
+def app_args(model: str, autoscaled: bool, disaggregated: bool, downscale_delay_s: float = 15.0,
+             max_replicas: int = MAX_WORKERS) -> dict:
     server_cpu = {"ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 2}
     scaling = {"autoscaling_config": {
-        "min_replicas": 1, "max_replicas": MAX_WORKERS, "initial_replicas": 1, "look_back_period_s": 4,
+        "min_replicas": 1, "max_replicas": max_replicas, "initial_replicas": 1, "look_back_period_s": 4,
         "upscale_delay_s": 2, "downscale_delay_s": downscale_delay_s,
         "policy": {"policy_kwargs": {"target_num_seqs": SEQS_PER_REPLICA}}}} if autoscaled else {"num_replicas": 1}
     args = {"model": model, "torch_threads": 1, "request_timeout_s": 600, "max_waiting_requests": 256,
@@ -54,7 +56,8 @@ def app_args(model: str, autoscaled: bool, disaggregated: bool, downscale_delay_
     return args
 
 
-def deploy(model: str, autoscaled: bool, disaggregated: bool, http_port: int, downscale_delay_s: float) -> str:
+def deploy(model: str, autoscaled: bool, disaggregated: bool, http_port: int, downscale_delay_s: float,
+           max_replicas: int = MAX_WORKERS) -> str:
     from ray import serve
     from ray.serve.config import HTTPOptions
 
@@ -62,10 +65,43 @@ def deploy(model: str, autoscaled: bool, disaggregated: bool, http_port: int, do
 
     # One proxy, on the head: the simulated nodes share this machine's ports.
     serve.start(proxy_location="HeadOnly", http_options=HTTPOptions(host="127.0.0.1", port=http_port))
-    serve.run(build_app(app_args(model, autoscaled, disaggregated, downscale_delay_s)), name="pagoda", route_prefix="/", blocking=False)
+    serve.run(build_app(app_args(model, autoscaled, disaggregated, downscale_delay_s, max_replicas)), name="pagoda",
+              route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{http_port}"
     wait_for(lambda: _get(f"{base}/health") is not None, 600, "Pagoda did not become ready")
     return base
+
+
+def simulated_cluster(node_idle_timeout_s: float) -> SimulatedCluster:
+    """A head with no CPU for replicas, and worker nodes of one model-server replica each."""
+    # Replicas report their queue every second (Ray's default, 10 s, would lag a short ramp).
+    return SimulatedCluster(
+        head_resources={"CPU": 0, "object_store_memory": 400 << 20},
+        worker_node_types={"server": {"resources": {"CPU": 1, "object_store_memory": 300 << 20},
+                                      "min_workers": 0, "max_workers": MAX_WORKERS}},
+        idle_timeout_minutes=node_idle_timeout_s / 60,
+        env={"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"})
+
+
+@contextlib.contextmanager
+def running(cluster: SimulatedCluster):
+    """The cluster started, with this process connected; afterwards Serve, the connection and the
+    cluster stopped, whatever happened."""
+    import ray
+
+    try:
+        cluster.start()
+        cluster.connect(log_to_driver=False)
+        yield cluster
+    finally:
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        except Exception:  # noqa: BLE001 - the cluster goes anyway
+            pass
+        ray.shutdown()
+        cluster.stop()
 
 
 def status(base: str) -> dict:
@@ -75,19 +111,8 @@ def status(base: str) -> dict:
 def run_mode(model: str, mode: str, spec, disaggregated: bool, log, hold_until_replicas: int | None = None,
              max_extra_hold_s: float = 0.0, downscale_delay_s: float = 15.0, node_idle_timeout_s: float = 15.0) -> dict:
     """One cluster, one deployment, one ramp; the ramp's result with what happened after it."""
-    import ray
-
     autoscaled = mode == "autoscaled"
-    # Replicas report their queue every second (Ray's default, 10 s, would lag a short ramp).
-    cluster = SimulatedCluster(
-        head_resources={"CPU": 0, "object_store_memory": 400 << 20},
-        worker_node_types={"server": {"resources": {"CPU": 1, "object_store_memory": 300 << 20},
-                                      "min_workers": 0, "max_workers": MAX_WORKERS}},
-        idle_timeout_minutes=node_idle_timeout_s / 60,
-        env={"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"})
-    try:
-        cluster.start()
-        cluster.connect(log_to_driver=False)
+    with running(simulated_cluster(node_idle_timeout_s)) as cluster:
         base = deploy(model, autoscaled, disaggregated, free_port(), downscale_delay_s)
         server = "LLMServer"
         tokenizer_spec = WorkloadSpec("random", num_prompts=400, input_len=64, output_len=48, seed=1)
@@ -110,7 +135,7 @@ def run_mode(model: str, mode: str, spec, disaggregated: bool, log, hold_until_r
             result["overload_to_new_replica_s"] = result["first_scale_up_s"] - result["overloaded_at_s"]
         result["last_decision"] = status(base)["deployments"][server].get("autoscaling")  # what `pagoda status` shows
         # The load is gone: every replica that served lets go of its blocks at once...
-        report = wait_for(lambda: _idle(status(base)), 60, "a replica kept KV blocks after the load stopped")
+        report = wait_for(lambda: idle(status(base)), 60, "a replica kept KV blocks after the load stopped")
         result["blocks_left"] = {f"{g['deployment']}#{i}": g["stats"]["kv_blocks_total"] - g["stats"]["kv_blocks_free"]
                                  for i, g in enumerate(report["groups"])}
         # ...then Serve stops the extra replicas and Ray's autoscaler the idle nodes.
@@ -127,15 +152,6 @@ def run_mode(model: str, mode: str, spec, disaggregated: bool, log, hold_until_r
         log(f"{result['label']}: {sum(r.ok for r in records)}/{len(records)} ok, replicas up to "
             f"{result['max_replicas']}, nodes up to {result['max_nodes']}")
         return result
-    finally:
-        try:
-            from ray import serve
-
-            serve.shutdown()
-        except Exception:  # noqa: BLE001 - the cluster goes anyway
-            pass
-        ray.shutdown()
-        cluster.stop()
 
 
 async def _ramp(base: str, requests_, spec, hold_until, max_extra_hold_s: float):
@@ -161,7 +177,7 @@ def what_runs_on(nodes: list[dict]) -> dict:
                         "free": free.get(node)} for node in ids}
 
 
-def _idle(report: dict) -> dict | None:
+def idle(report: dict) -> dict | None:
     groups = report.get("groups", [])
     # A replica that did not answer (starting, stopping, too busy to answer in time) is not known idle.
     busy = [g for g in groups if "stats" not in g

@@ -12,7 +12,7 @@ one-turn chats, or `--workload random` prompts of --input-len tokens (what servi
 
 A round is the served runs, then the in-process runs right after. The small VMs this runs on
 drift in speed from one quarter hour to the next (one stream in process: 10.7 and 17 ms a token
-twenty minutes apart, docs/benchmarks.md), so a ratio is only fair between runs minutes apart:
+twenty minutes apart, docs/benchmarks-log.md), so a ratio is only fair between runs minutes apart:
 with --rounds N the rounds alternate and the summary is each ratio's median over the rounds.
 """
 
@@ -35,7 +35,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,8,32")
     # 256: with 64, one stream's run (4 requests) lasts ~1.5 s here and its ratio spread 1.15-1.72x
-    # between rounds minutes apart (docs/benchmarks.md)
+    # between rounds minutes apart (docs/benchmarks-log.md)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=1, help="served then in process, this many times in turn")
     parser.add_argument("--workload", choices=["chat", "random"], default="chat")

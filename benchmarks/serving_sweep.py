@@ -47,7 +47,7 @@ def main():
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--out-dir", default="benchmarks/results/sweep")
     parser.add_argument("--plots-dir", default="benchmarks/results/sweep",
-                        help="docs/bench to replace the figures docs/benchmarks.md shows")
+                        help="docs/bench to replace the figures docs/benchmarks-log.md shows")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     targets = args.targets.split(",")

@@ -20,7 +20,7 @@ written once and never rewritten, and losing one costs one block's recompute.
 
 The byte shuffle puts the first byte of every element together, then the second, ...; float KV has
 slowly varying exponent bytes, which LZ4 then finds as runs (the ratio with and without it is in
-docs/benchmarks.md).
+docs/benchmarks-log.md).
 """
 
 from __future__ import annotations

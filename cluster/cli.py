@@ -242,7 +242,7 @@ def usage(log, as_json) -> None:
 @click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
 @click.option("--quantization", type=click.Choice(list(QUANTIZATION_MODES)), default=None,
               help="Weight format (--offline; default auto: a GGUF-sourced model's own groups, lossless). "
-                   "See README and docs/benchmarks.md.")
+                   "See README and docs/benchmarks-log.md.")
 @KV_CACHE_DTYPE_OPTION
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 @API_KEY_OPTION

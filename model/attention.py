@@ -215,7 +215,7 @@ class PagedAttention:
         k = torch.index_select(self.k_cache, 0, chunk.block_ids).transpose(0, 1).flatten(1, 2)[:, :ctx_len].to(q.dtype)
         v = torch.index_select(self.v_cache, 0, chunk.block_ids).transpose(0, 1).flatten(1, 2)[:, :ctx_len].to(q.dtype)
         # A batch axis of one: torch's CPU flash attention takes only 4-D inputs (3-D ones, or a
-        # 3-D GQA fold, run its unfused math path: ~4x slower at 512 tokens, docs/benchmarks.md).
+        # 3-D GQA fold, run its unfused math path: ~4x slower at 512 tokens, docs/benchmarks-log.md).
         q, k, v = q.transpose(0, 1)[None], k[None], v[None]  # [1, heads, n, head_dim]
         if ctx_len == n:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

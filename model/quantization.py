@@ -5,10 +5,10 @@
                                    exactly GGUF Q4_1 / Q8_0 groups, else dense  multiplied in fp32
     "none"                         dense, as loaded                            yes
     "int8"                         Int8Weight: int8 weights x int8 activations  no (perplexity +4%)
-    "int8-weights"                 GroupedWeight Q8_0 from any checkpoint       no (see docs/benchmarks.md)
-    "int4-weights"                 GroupedWeight Q4_1 from any checkpoint       no (see docs/benchmarks.md)
+    "int8-weights"                 GroupedWeight Q8_0 from any checkpoint       no (see docs/benchmarks-log.md)
+    "int4-weights"                 GroupedWeight Q4_1 from any checkpoint       no (see docs/benchmarks-log.md)
     "int8-activations"             grouped as "auto" finds them, times          no (llama.cpp's arithmetic;
-                                   activations rounded to int8 per group of 32  see docs/benchmarks.md)
+                                   activations rounded to int8 per group of 32  see docs/benchmarks-log.md)
 
 The default model comes from a Q4_1 GGUF (its LM head Q8_0): dequantized to fp32 once at fetch, its
 weights are exactly representable again as those groups, so `recover_grouped` finds the groups, and
@@ -113,7 +113,7 @@ def recover_grouped(weight: torch.Tensor, bias: torch.Tensor | None = None,
 
 def quantize_grouped(weight: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> GroupedWeight:
     """Weight-only quantization of any weight to Q4_1 (bits=4) or Q8_0 (bits=8), as llama.cpp's
-    reference quantizers round: lossy, its cost measured in docs/benchmarks.md."""
+    reference quantizers round: lossy, its cost measured in docs/benchmarks-log.md."""
     groups = _groups(weight)
     if groups is None:
         raise ValueError(f"a grouped weight needs input features divisible by {GROUP}, got {tuple(weight.shape)}")
@@ -136,7 +136,7 @@ class Int8Weight:
     int32. Per-token scales keep one token's outliers (the first token's are huge) from costing the
     others their precision, and keep a request's numbers independent of its batch neighbours.
     Decode is bound by reading weights, so a quarter of the bytes is most of the speed-up; the cost
-    in quality is measured in docs/benchmarks.md. CPU only."""
+    in quality is measured in docs/benchmarks-log.md. CPU only."""
 
     kind = "int8_dynamic"
 

@@ -34,7 +34,7 @@ from model.tp_layout import head_shard
 
 
 # Chunks longer than this attend through SDPA on gathered blocks, faster once the chunk's own
-# queries share the K/V reads (measured in docs/benchmarks.md).
+# queries share the K/V reads (measured in docs/benchmarks-log.md).
 KERNEL_MAX_QUERIES = 16
 KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches the paged kernel reads
 

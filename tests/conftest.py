@@ -7,7 +7,7 @@ import signal
 
 # OpenMP threads that sleep at a barrier instead of spinning: on a host shared with other busy
 # processes (CI), a spinning torch thread that loses its core stalls every parallel region of the
-# step (3-24x slower steps measured beside one CPU-bound process; docs/benchmarks.md). Set before
+# step (3-24x slower steps measured beside one CPU-bound process; docs/benchmarks-log.md). Set before
 # torch loads; the servers and Ray workers the tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -24,12 +24,28 @@ import torch  # noqa: E402
 
 # A test that uses one of these loads the real default model (or a server of it): slow.
 REAL_MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model", "llm", "server", "stub", "ingress"}
+# ...and one that uses these is served on a Ray cluster: `make test` only (`make test-fast` is
+# `-m "not ray"`; modules that start Ray themselves say `pytestmark = pytest.mark.ray`).
+SERVED_FIXTURES = {"server", "stub"}
+
+
+def pytest_configure(config):
+    if os.environ.get("PAGODA_TEST_FAST"):  # make test-fast: a test that starts Ray is marked wrong
+        import ray
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("make test-fast starts no Ray cluster: mark this test (or its module) `ray`")
+
+        ray.init = refuse
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if REAL_MODEL_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)  # `pytest -m "not slow"`: the fast tests alone
+        if SERVED_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.ray)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -79,11 +95,12 @@ def encoded(llm):
 
 
 @pytest.fixture(scope="session")
-def references(hf_model, encoded):
-    """HF transformers' greedy answers to the parity prompts: the oracle."""
-    from tests.hf_reference import hf_greedy
+def references(request, model_dir, encoded):
+    """HF transformers' greedy answers to the parity prompts: the oracle (kept on disk)."""
+    from tests.hf_reference import cached_greedy
 
-    return [hf_greedy(hf_model, ids, PARITY_MAX_TOKENS) for ids in encoded]
+    return cached_greedy(model_dir, lambda: request.getfixturevalue("hf_model"), [list(ids) for ids in encoded],
+                         PARITY_MAX_TOKENS)
 
 
 @pytest.fixture(scope="session")

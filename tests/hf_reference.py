@@ -1,9 +1,17 @@
 """The oracle: HF transformers greedy decoding on the same model directory, with the gap between
-its top-2 logits at every step so that a divergence can be told apart from a near-tie."""
+its top-2 logits at every step so that a divergence can be told apart from a near-tie.
+
+Its answers are kept on disk ($PAGODA_HOME/test-oracle), keyed by the weights' fingerprint, the
+prompts, the length, and the versions of transformers and torch: the same question to the same
+oracle gets the answer HF gave, without loading HF again."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
@@ -32,6 +40,29 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> Reference
         top2 = logits[0].float().topk(2).values
         gaps.append((top2[0] - top2[1]).item())
     return Reference(tokens, gaps)
+
+
+def cached_greedy(model_dir: str, load_hf_model: Callable[[], object], prompts: list[list[int]],
+                  max_new_tokens: int) -> list[Reference]:
+    """`hf_greedy` of each prompt, from the disk cache or computed (HF loaded only then) and kept."""
+    import transformers
+
+    from cluster.model_fetch import pagoda_home
+    from model.loader import weights_fingerprint
+
+    key = json.dumps([weights_fingerprint(model_dir), transformers.__version__, torch.__version__, prompts, max_new_tokens])
+    path = pagoda_home() / "test-oracle" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    try:
+        return [Reference(**answer) for answer in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
+        pass
+    hf_model = load_hf_model()
+    answers = [hf_greedy(hf_model, prompt, max_new_tokens) for prompt in prompts]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps([asdict(answer) for answer in answers]))
+    partial.replace(path)  # whole or absent, whatever else runs at the same time
+    return answers
 
 
 def first_difference(ours: list[int], ref: Reference) -> int | None:

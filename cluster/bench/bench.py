@@ -93,7 +93,7 @@ def level_workload(spec: workloads.WorkloadSpec, index: int) -> workloads.Worklo
     """The workload of a run's index-th concurrency level: prompts of its own (the first level keeps
     spec's seed), so that no level finds an earlier level's prompts in a server's prefix cache. With
     one seed for all, the first 64 prompts of a 64-stream level were the 32-stream level's, cached
-    by Pagoda but not by peers restarted per level (docs/benchmarks.md)."""
+    by Pagoda but not by peers restarted per level (docs/benchmarks-log.md)."""
     return replace(spec, seed=spec.seed + index)
 
 

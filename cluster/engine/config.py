@@ -26,7 +26,7 @@ class EngineConfig:
     # The KV cache's element type: "auto" is the model's dtype. "bfloat16" under an fp32 model halves
     # the cache's bytes (twice the tokens in kv_cache_bytes, half the bytes decode attention reads)
     # and rounds K and V once as they are written: not bit-equal to HF (perplexity in
-    # docs/benchmarks.md). The CPU's paged kernel reads float32 and bfloat16 caches.
+    # docs/benchmarks-log.md). The CPU's paged kernel reads float32 and bfloat16 caches.
     kv_cache_dtype: str = "auto"
     # "int8": int8 weights with fbgemm's dynamic-int8 GEMM (CPU). Faster decode, not bit-equal to HF.
     quantization: str | None = None

@@ -41,6 +41,6 @@ MAX_STREAM_INTERVAL = 4  # ...up to 4 (a step of 64 streams takes ~0.4 s here: 1
 
 def stream_interval(num_running: int) -> int:
     """Tokens per message by load: one each up to 15 streams, 4 from 32 (served on 2 cores, 32
-    streams: TPOT 306 -> 217 ms, output 95 -> 133 tok/s; docs/benchmarks.md), so a few streams
+    streams: TPOT 306 -> 217 ms, output 95 -> 133 tok/s; docs/benchmarks-log.md), so a few streams
     see every token at once and many streams do not drown the serving path in messages."""
     return max(1, min(MAX_STREAM_INTERVAL, num_running // STREAMS_PER_EXTRA_TOKEN))

@@ -13,7 +13,7 @@ the rest with an explicit error, never a silent cut.
 
 The state lives in the GCS rather than in an actor of its own: every Ray worker process wakes
 ~150 times a second even when idle, and on a node the engine shares with the cluster each wakeup
-slows its step (docs/benchmarks.md, the idle cluster's cost).
+slows its step (docs/benchmarks-log.md, the idle cluster's cost).
 
 Serve stopping a replica on its own (scale-down, redeploy) is the same story told by Serve:
 it routes nothing more to the replica and waits `graceful_shutdown_timeout_s` (the drain

@@ -3,7 +3,7 @@ in native code while the ingress says its queue is full.
 
 Why: a refusal that reaches Python costs ~3 ms of CPU (Serve's proxy, the hop to the Ingress
 replica, FastAPI) on the cores that also decode, so a wave of 1000 requests waited seconds for
-its 429s (docs/benchmarks.md). HAProxy answers one in microseconds. It does not decide anything:
+its 429s (docs/benchmarks-log.md). HAProxy answers one in microseconds. It does not decide anything:
 the Ingress replica keeps the queue bound and, when its pending requests reach the bound or fall
 below it, sets one entry of an HAProxy map over the admin socket (`FrontDoorFlag`). A request that
 slips past in the moment between is refused by the ingress as before, with the same body.

@@ -7,7 +7,7 @@ there is one Ingress replica.
 
 Every message of a stream otherwise crosses one Ray call between two replicas; on a small node
 that hop's CPU (serialization, Ray's threads in both processes, two event loop wakeups) comes out
-of the engine's step: 1-2 ms of a 7-13 ms token at one stream on 2 cores (docs/benchmarks.md).
+of the engine's step: 1-2 ms of a 7-13 ms token at one stream on 2 cores (docs/benchmarks-log.md).
 With the option each Ingress replica builds its own LLMServer, and the Ingress calls it through
 LocalHandle, which offers the part of a DeploymentHandle the Ingress uses. The Ingress deployment
 then scales as the LLMServer deployment would (its replicas are the engines).

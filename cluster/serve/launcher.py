@@ -39,7 +39,7 @@ HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 # - a replica runs its deployment's code on its own event loop, and a handle routes on its
 #   caller's loop, instead of each on a thread of its own: a streamed message then wakes one
 #   thread fewer in each process (one served stream on 2 cores: the Ingress's and LLMServer's
-#   CPU a token ~0.5 and ~0.37 ms -> ~0.34 and ~0.29; docs/benchmarks.md). Pagoda's deployments
+#   CPU a token ~0.5 and ~0.37 ms -> ~0.34 and ~0.29; docs/benchmarks-log.md). Pagoda's deployments
 #   run their blocking work on threads of their own (the engine, tokenizing).
 SERVE_ENV_DEFAULTS = {PUSH_INTERVAL_ENV: "2", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
                       "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
@@ -123,7 +123,7 @@ def local_runtime_env(host: str) -> dict:
     Serve's HAProxy mode unless RAY_SERVE_ENABLE_HA_PROXY=0 is set: HAProxy on the HTTP and gRPC
     ports hands each connection to an Ingress replica's own server (Serve's direct ingress), one
     Python proxy actor fewer on every streamed message (one stream's served TPOT ~13.5 -> ~11 ms
-    on 2 cores, docs/benchmarks.md). The ports Serve fixes in this mode get free ones here:
+    on 2 cores, docs/benchmarks-log.md). The ports Serve fixes in this mode get free ones here:
     HAProxy's stats and metrics, and the fallback proxy's, which listens with SO_REUSEPORT, so
     two servers on one host would otherwise share it and answer each other's requests.
     An Ingress replica that stops stays reachable a while so that load balancers drop it first

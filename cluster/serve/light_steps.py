@@ -6,7 +6,7 @@ the client (the Ingress replica, HAProxy). Leaving one core to them keeps the en
 descheduled mid-step (an OpenMP thread that loses its core stalls its partners at every barrier);
 keeping every core makes the step itself shorter. Which wins depends on the host: on one 2-core VM,
 one stream's TPOT was 25.8 ms with one thread fewer and 27.7 ms with both, and on the same VM a
-day later 15.9-17.1 ms against 14.7-15.1 (docs/benchmarks.md). So the server times its light steps
+day later 15.9-17.1 ms against 14.7-15.1 (docs/benchmarks-log.md). So the server times its light steps
 on each count, mostly runs the faster one and keeps trying the other now and then.
 """
 
@@ -25,7 +25,7 @@ class LightStepThreads:
     cluster's own work) does not decide: each count is judged by the median of its last WINDOW
     steps. A running mean seeded by one such step could keep a server on one thread (1.6x slower a
     step here) for hundreds of steps; one served stream's TPOT was one thread's in a turn of three
-    (docs/benchmarks.md)."""
+    (docs/benchmarks-log.md)."""
 
     def __init__(self, threads: int):
         self.choices = (max(1, threads - 1), threads)

@@ -203,7 +203,7 @@ class RequestPipeline:
             request = GenerationRequest(request_id, token_ids, params, timeout_s, media, tenant, inputs.cache_salt,
                                         self._weights.get(tenant, 1.0))
             # The deltas come over Serve's gRPC transport, by value, not as Ray objects: a message
-            # then skips Ray's object machinery in both processes (docs/benchmarks.md: one served
+            # then skips Ray's object machinery in both processes (docs/benchmarks-log.md: one served
             # stream's CPU a token on a 2-core node). The prefill's KV references, which must stay
             # Ray objects, never cross this handle.
             stream = self.llm.options(stream=True, _by_reference=False).generate.remote(request)

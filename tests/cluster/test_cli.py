@@ -122,6 +122,7 @@ def run_in_process(*args):
     return CliRunner().invoke(main, list(args))
 
 
+@pytest.mark.ray  # it starts the local cluster it refuses
 def test_serve_refuses_a_shape_that_does_not_fit_the_local_cluster_and_leaves_nothing(model_dir):
     """The README's disaggregated shape on a 2-CPU cluster: 3 CPUs asked for, refused at once."""
     marker = f"PAGODA_TEST_{uuid.uuid4().hex}"  # every process it starts inherits this environment

@@ -30,6 +30,8 @@ from tests.conftest import PARITY_MAX_TOKENS
 from tests.hf_reference import check_all
 from tests.parity_prompts import DOC, parity_prompts
 
+pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
+
 # The server-level TP groups use gloo: deepspeed's shared-memory all-reduce busy-waits, and on 2
 # cores shared with another CPU-bound process (Ray runs its workers at nice 15) a waiting rank
 # starves the computing one: the TP=2 parity test ran past pytest's 600 s limit that way, and

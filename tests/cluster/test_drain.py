@@ -18,6 +18,8 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
 from tests.cluster.test_serve_cli import BIN, ROOT, assert_all_gone, descendants
 
+pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
+
 HTTP, GRPC = 18400, 19400
 
 

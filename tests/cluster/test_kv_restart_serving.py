@@ -3,6 +3,7 @@ disk, then `pagoda serve` SIGKILLed (Ray and all; no process of it outlives it, 
 and started again on the same directory and ports: the same question gets the same answer, with
 every full block of the document restored from disk."""
 
+import pytest
 import os
 import signal
 import subprocess
@@ -12,6 +13,8 @@ import requests
 
 from tests.cluster.test_serve_cli import BIN, ROOT, assert_all_gone, descendants
 from tests.parity_prompts import DOC, DOC_B
+
+pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
 
 HTTP, GRPC = 18600, 19600
 BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4  # the default model's KV per block (fp32)

@@ -3,9 +3,13 @@ from the shared cache service (two shards, host RAM) with the same answer; a sec
 second application of the same model) finds the document there too; `pagoda status --json` shows
 the tiers."""
 
+import pytest
+
 from tests.cluster.test_disaggregated_serving import answer, deployed, grpc_request, status
 from tests.cluster.test_serving import scrape_until
 from tests.parity_prompts import DOC, DOC_B
+
+pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
 
 
 def test_an_evicted_document_comes_back_from_the_cache_service_on_either_replica(server, model_dir):

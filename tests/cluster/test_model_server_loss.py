@@ -6,9 +6,12 @@ reach it differently from a Ray actor call's: this is where that path meets a de
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from tests.cluster.test_disaggregated_serving import (answer_once_replaced, deployed, grpc_request, killed_mid_stream,
                                                       status)
+
+pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
 
 LONG_ANSWER = 400
 

@@ -1,6 +1,7 @@
 """`pagoda serve` (what `make serve` runs) and `serve run serve_config.yaml`, as users run them:
 each starts its own local Ray cluster, answers, and on Ctrl-C leaves no process behind."""
 
+import pytest
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ import requests
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -18,6 +18,8 @@ from protos import inference_pb2 as pb
 from tests.cluster.test_disaggregated_serving import deployed
 from tests.cluster.test_kv_tiers_serving import metric_value
 
+pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
+
 KEY_A = "sk-team-a-0123456789"
 KEY_B = "sk-team-b-9876543210"
 KEY_METERED = "sk-metered-01234567"

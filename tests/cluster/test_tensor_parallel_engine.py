@@ -7,6 +7,8 @@ import pytest
 
 from cluster import LLM, SamplingParams
 
+pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, a small robot"]
 
 
