@@ -13,6 +13,7 @@ import grpc
 import psutil
 import pytest
 import requests
+import urllib3
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
@@ -93,6 +94,22 @@ def refused_while_draining() -> tuple[requests.Response, grpc.RpcError]:
         assert time.monotonic() < deadline, f"gRPC still admitted after HTTP was refused with {r.text}"
 
 
+def probe_until_gone(outcomes: list) -> None:
+    """A new request every 0.1 s through the whole stop, until the port refuses connections: each
+    must be answered (503 once the drain is known) or refused, never cut without an answer."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            r = requests.post(f"http://127.0.0.1:{HTTP}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 2})
+            outcomes.append(r.status_code)
+        except requests.ConnectionError as e:
+            refused = isinstance(getattr(e.args[0], "reason", None), urllib3.exceptions.NewConnectionError)
+            outcomes.append("refused" if refused else f"cut: {e}")
+            if refused:
+                return
+        time.sleep(0.1)
+
+
 def assert_no_port_shared_with_another_server(children: list[psutil.Process]) -> None:
     """Every address this server listens on is its own. Serve's replicas pick their ports from one
     range per cluster (direct ingress: 40000+ for gRPC), so a second cluster on the host tries the
@@ -130,6 +147,9 @@ def test_sigterm_finishes_short_streams_ends_long_ones_with_an_error_refuses_new
         for started in short_started + long_started:
             assert started.wait(120)
         os.kill(proc.pid, signal.SIGTERM)  # the process alone, as Kubernetes does
+        probes: list = []
+        prober = threading.Thread(target=probe_until_gone, args=(probes,))
+        prober.start()
         r, error = refused_while_draining()
         assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "service_unavailable", r.text
         assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.details()
@@ -146,6 +166,9 @@ def test_sigterm_finishes_short_streams_ends_long_ones_with_an_error_refuses_new
         code, tokens, details = long[2]["result"]
         assert code == "UNAVAILABLE" and "drain period" in details and 0 < tokens < 4000
         exits_cleanly(proc, children)
+        prober.join(60)
+        assert probes[-1] == "refused" and set(probes) <= {200, 503, "refused"}, probes
+        assert 503 in probes
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
