@@ -2,7 +2,8 @@
 ingress replicas, a keys file of four tenants): every route and method but health refuses a
 missing or wrong key with 401 / UNAUTHENTICATED; KV is shared only within a tenant (and a client's
 cache_salt); a tenant sees and cancels only its own requests; compute-unit budgets run out at
-exactly the computed units across both ingress replicas, and a per-request cap stops generation."""
+exactly the computed units across both ingress replicas, and a per-request cap stops generation;
+deleting the app does not wait for the ingress replicas' long polls of the ledger."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def keyed_app(server, model_dir, tmp_path_factory):
     with deployed({**server, "model_dir": model_dir}, "keyed", "/keyed", api_keys_file=str(keys),
                   usage_log=str(folder / "usage.jsonl"), ingress={"num_replicas": 2}) as app:
         yield {**app, "usage_log": folder / "usage.jsonl", "metrics": server["metrics"]}
+        deleting = time.monotonic()
+    assert_deleted_without_waiting_for_a_long_poll(time.monotonic() - deleting)
+
+
+def assert_deleted_without_waiting_for_a_long_poll(seconds: float) -> None:
+    """Deleting the app (as this module's fixture ends) does not wait for its ingress replicas'
+    long polls of the TenantLedger (each started with the replica's first request): Serve stops a
+    replica once its requests end, so a poll left at the ledger held the delete until it returned
+    (POLL_TIMEOUT_S after it began), or until Serve killed the ledger."""
+    from cluster.serve.ledger import POLL_TIMEOUT_S
+
+    assert seconds < POLL_TIMEOUT_S / 2
 
 
 def http(app, method: str, path: str, key: str | None, **kwargs) -> requests.Response:
@@ -268,16 +281,3 @@ def test_the_cli_sends_its_key(keyed_app):
     assert mine.exit_code == 0, mine.output
     refused = runner.invoke(cli, ["status", "--http", keyed_app["address"], "--api-key", KEY_B])
     assert refused.exit_code == 1 and "403" in refused.output
-
-
-def test_deleting_an_app_does_not_wait_for_its_ingress_long_poll_of_the_ledger(server, model_dir):
-    from cluster.serve.ledger import POLL_TIMEOUT_S
-
-    with deployed({**server, "model_dir": model_dir}, "short-stop", "/short-stop") as app:
-        answer = requests.post(f"{app['http']}/v1/completions", timeout=300,
-                               json={"model": server["model"], "prompt": "Hi", "max_tokens": 1})
-        answer.raise_for_status()  # the ingress's first request starts its long poll of the ledger
-        started = time.monotonic()
-    # Serve stops a replica once its requests end: a poll left at the ledger held the delete until
-    # it returned (POLL_TIMEOUT_S after it began), or until Serve killed the ledger.
-    assert time.monotonic() - started < POLL_TIMEOUT_S / 2
