@@ -52,6 +52,8 @@ defaults
     timeout client {idle_timeout_s}s
     timeout server {idle_timeout_s}s
     timeout http-request 60s
+    # HAProxy's own answer when nothing is behind it, in the API's shape like every other error
+    http-error status 503 content-type application/json hdr Retry-After 1 string {unavailable}
 frontend pagoda
     bind {host}:{port}
     acl generation method POST
@@ -96,11 +98,12 @@ class FrontDoor:
         self.dir = Path(tempfile.mkdtemp(prefix="pagoda-front-door-"))
         message = str(EngineOverloadedError.queue_full(max_pending_requests))  # the ingress's own words
         body = json.dumps(json.dumps(error_body(message, "rate_limit_error")))  # quoted for HAProxy
+        unavailable = json.dumps(json.dumps(error_body("the server is unavailable; retry later", "service_unavailable")))
         (self.dir / MAP_NAME).write_text("full 0\n")
         (self.dir / "haproxy.cfg").write_text(CONFIG_TEMPLATE.format(
             dir=self.dir, socket=SOCKET_NAME, map=MAP_NAME, maxconn=maxconn, idle_timeout_s=int(idle_timeout_s),
             host=host, port=port, paths=" ".join(GENERATION_PATHS), header=REFUSED_HEADER, body=body,
-            upstream_port=upstream_port))
+            unavailable=unavailable, upstream_port=upstream_port))
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30) -> None:
@@ -116,11 +119,13 @@ class FrontDoor:
                 raise FrontDoorError(f"the front door (HAProxy) did not listen on {self.host}:{self.port}")
             time.sleep(0.05)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10) -> None:
+        """HAProxy's soft stop: it closes its listener at once and ends when the requests it holds
+        are answered; past `timeout_s`, a hard stop."""
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            self.process.send_signal(signal.SIGUSR1)
             try:
-                self.process.wait(timeout=10)
+                self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

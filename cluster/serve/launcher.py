@@ -157,13 +157,15 @@ def stop() -> None:
     from ray import serve
 
     global _front_door
+    # The front door goes first: from then on a new connection is refused (a client retries
+    # elsewhere), where during Serve's shutdown it would have been accepted and then cut.
     try:
+        if _front_door is not None:
+            _front_door.stop()
+            _front_door = None
+    finally:
         if ray.is_initialized():
             try:
                 serve.shutdown()
             finally:
                 ray.shutdown()
-    finally:
-        if _front_door is not None:
-            _front_door.stop()
-            _front_door = None

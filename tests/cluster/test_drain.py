@@ -96,12 +96,14 @@ def refused_while_draining() -> tuple[requests.Response, grpc.RpcError]:
 
 def probe_until_gone(outcomes: list) -> None:
     """A new request every 0.1 s through the whole stop, until the port refuses connections: each
-    must be answered (503 once the drain is known) or refused, never cut without an answer."""
+    must be answered in the API's JSON (503 once the drain is known) or refused, never cut
+    without an answer."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
             r = requests.post(f"http://127.0.0.1:{HTTP}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 2})
-            outcomes.append(r.status_code)
+            json_body = r.headers.get("content-type", "").startswith("application/json")
+            outcomes.append(r.status_code if json_body else f"{r.status_code}, not JSON: {r.text[:80]}")
         except requests.ConnectionError as e:
             refused = isinstance(getattr(e.args[0], "reason", None), urllib3.exceptions.NewConnectionError)
             outcomes.append("refused" if refused else f"cut: {e}")
@@ -132,7 +134,9 @@ def exits_cleanly(proc: subprocess.Popen, children: list[psutil.Process]) -> Non
 DRAIN_S, SHORT = 15, 64
 
 
-@pytest.mark.parametrize("options", [(), ("--engine-in-ingress",)], ids=["two deployments", "engine in ingress"])
+# The two deployments behind the front door, as `make serve` runs them (serve_config.yaml).
+@pytest.mark.parametrize("options", [("--front-door",), ("--engine-in-ingress",)],
+                         ids=["two deployments, front door", "engine in ingress"])
 def test_sigterm_finishes_short_streams_ends_long_ones_with_an_error_refuses_new_ones_and_leaves_nothing(
         model_dir, server, options):
     """With the session's server up too: two servers on one host, as in the suite and on a developer's
