@@ -149,13 +149,18 @@ class RequestPipeline:
         depend on its template), and start it. Work is refused in order of cost: the queue bound
         before the body is read, limits before tokenizing, the tenant's admission after."""
         self.num_in_flight += 1
+        rest = None
         try:
             model = await self.model()
             with self._pending():
-                return await self._start(model, tenant, await read(model))
+                request_id, params, meter, rest = await self._start(model, tenant, await read(model))
+                # After a last delta the stream simply ends, so callers iterate the rest as is.
+                first = await rest.__anext__()
         except BaseException:
-            self.num_in_flight -= 1
+            if rest is None:  # once started, the stream counts the request out itself (_metered)
+                self.num_in_flight -= 1
             raise
+        return Generation(request_id, params, model, meter, first, rest)
 
     @contextlib.contextmanager
     def _pending(self):
@@ -176,7 +181,9 @@ class RequestPipeline:
         if self._front_door is not None:
             self._front_door.set_full(self.num_pending_requests >= self.max_pending_requests)
 
-    async def _start(self, model: ServedModel, tenant: str | None, inputs: GenerateInputs) -> Generation:
+    async def _start(self, model: ServedModel, tenant: str | None, inputs: GenerateInputs):
+        """Checks, tokenizes, admits and starts a request: (request id, params as admitted, its
+        meter, its metered delta stream, not yet started)."""
         params = inputs.params
         if inputs.model and inputs.model not in (model.name, model.info["model_dir"]):
             raise ModelNotFoundError(f"the model {inputs.model!r} does not exist; this server serves {model.name!r}")
@@ -211,9 +218,7 @@ class RequestPipeline:
             self.llm_breaker.forget(probe)
             self._finish(tenant, request_id, meter, "error")
             raise
-        rest = self._metered(tenant, request_id, meter, stream, probe)
-        # After a last delta the stream simply ends, so callers iterate the rest as is.
-        return Generation(request_id, params, model, meter, await rest.__anext__(), rest)
+        return request_id, params, meter, self._metered(tenant, request_id, meter, stream, probe)
 
     async def _encode(self, media):
         probe = self.encoder_breaker.before_call()

@@ -50,3 +50,15 @@ def test_errors_come_from_one_table_on_both_wires(ingress):
     assert refused.value.code.name == "INVALID_ARGUMENT" and refused.value.details.startswith("n: is 1000")
     unknown = ingress.http.post("/v1/completions", json={"model": "gpt-4o", "prompt": "hi"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_request_that_fails_before_its_first_token_is_counted_out_once(ingress):
+    """The engine refuses it (a schema that cannot compile, found when the engine adds it): the
+    drain's count of requests in flight is back to 0, not below (a drain would wait for it)."""
+    pipeline = ingress.ingress.pipeline
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}
+    refused = ingress.http.post("/v1/chat/completions", json={
+        "messages": QUESTION, "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert refused.status_code == 400, refused.text
+    assert pipeline.num_in_flight == 0 and pipeline.num_pending_requests == 0
