@@ -33,10 +33,10 @@ demo: model
 	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
 
 test: model
-	$(BIN)/python -m pytest -q --durations=30 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30 tests
 
 test-fast: model
-	PAGODA_TEST_FAST=1 $(BIN)/python -m pytest -q --durations=10 -m "not ray" tests
+	PAGODA_TEST_FAST=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=10 -m "not ray" tests
 
 bench: model
 	$(BIN)/python -m benchmarks.offline_throughput

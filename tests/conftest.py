@@ -46,6 +46,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)  # `pytest -m "not slow"`: the fast tests alone
         if SERVED_FIXTURES & fixtures:
             item.add_marker(pytest.mark.ray)
+        # `make test` runs two pytest workers (xdist, --dist loadgroup): every test of the session's
+        # server (and of its Ray cluster) goes to one worker, so one server starts per run; the
+        # others go by module, so a module's fixtures are built once.
+        group = "session-server" if SERVED_FIXTURES & fixtures else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
