@@ -23,7 +23,7 @@ import numpy as np
 
 from cache_service import page_codec
 from cache_service.hashing import BlockHash
-from cache_service.tiers import Tier, build_tiers, promote
+from cache_service.tiers import HostTier, Tier, build_tiers, promote
 
 
 @dataclass
@@ -61,6 +61,11 @@ class KVOffload:
         # it waits, so that scheduling it only copies them into device memory.
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
         self._decoders = ThreadPoolExecutor(decode_threads or os.cpu_count() or 1, thread_name_prefix="kv-decode")
+
+    def host_swap_space(self, page_bytes: int) -> HostTierSwapSpace | None:
+        """Swap copies drawn from this process's host tier (None: it has none)."""
+        host = next((tier for tier in self.tiers if isinstance(tier, HostTier)), None)
+        return HostTierSwapSpace(host, self._lock, page_bytes) if host is not None else None
 
     @property
     def outlives_process(self) -> bool:
@@ -163,6 +168,23 @@ class KVOffload:
         promote(self.tiers, t, block_hash, page)
         self.stats.restored_from[tier.name] += 1
         return decoded
+
+
+class HostTierSwapSpace:
+    """Swap copies (cluster/engine/kv_connector.py's SwapSpace) drawn from the host tier's cap: one
+    budget for all the KV in host RAM. A swap copy is a preempted request's live state, so it pushes
+    cached pages out (spills went to every tier: a disk tier still has them), never the reverse."""
+
+    def __init__(self, tier: HostTier, lock: threading.Lock, page_bytes: int):
+        self.tier, self._lock, self.page_bytes = tier, lock, page_bytes
+
+    def take(self, num_blocks: int) -> bool:
+        with self._lock:  # the spill writer puts pages from its thread
+            return self.tier.reserve(num_blocks * self.page_bytes)
+
+    def give_back(self, num_blocks: int) -> None:
+        with self._lock:
+            self.tier.release(num_blocks * self.page_bytes)
 
 
 def build_offload(identity: dict, host_bytes: int = 0, disk_bytes: int = 0, directory: str | None = None,

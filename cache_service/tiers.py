@@ -93,18 +93,35 @@ class HostTier(BatchedTier):
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
-        self.used_bytes = 0
+        self.used_bytes = 0  # cached pages
+        # Taken out of the cap for swap copies (HostTierSwapSpace): one budget for host RAM's KV.
+        self.reserved_bytes = 0
         self.stats = TierStats()
         self._pages: OrderedDict[bytes, bytes] = OrderedDict()
 
-    def put(self, block_hash: bytes, page: bytes) -> bool:
-        if len(page) > self.capacity_bytes:
+    def reserve(self, num_bytes: int) -> bool:
+        """Take `num_bytes` of the cap for something held elsewhere (a swap copy), pushing out the
+        oldest cached pages to make room; False if the cap cannot hold it even with no page."""
+        if self.reserved_bytes + num_bytes > self.capacity_bytes:
             return False
-        self.discard(block_hash)
-        while self.used_bytes + len(page) > self.capacity_bytes:
+        self.reserved_bytes += num_bytes
+        self._evict_for(0)
+        return True
+
+    def release(self, num_bytes: int) -> None:
+        self.reserved_bytes -= num_bytes
+
+    def _evict_for(self, num_bytes: int) -> None:
+        while self._pages and self.used_bytes + self.reserved_bytes + num_bytes > self.capacity_bytes:
             _, old = self._pages.popitem(last=False)
             self.used_bytes -= len(old)
             self.stats.evictions += 1
+
+    def put(self, block_hash: bytes, page: bytes) -> bool:
+        if len(page) > self.capacity_bytes - self.reserved_bytes:
+            return False
+        self.discard(block_hash)
+        self._evict_for(len(page))
         self._pages[block_hash] = page
         self.used_bytes += len(page)
         self.stats.puts += 1
@@ -133,6 +150,9 @@ class HostTier(BatchedTier):
 
     def __len__(self) -> int:
         return len(self._pages)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "reserved_bytes": self.reserved_bytes}
 
 
 class DiskTier(BatchedTier):

@@ -80,7 +80,7 @@ def model_fetch(gguf: Path | None, verify: bool) -> None:
 @click.option("--preemption-mode", type=click.Choice(["recompute", "swap"]), default=None,
               help="When device KV runs out: recompute a preempted request later, or swap its KV to host memory.")
 @click.option("--swap-space-gb", type=click.FloatRange(min=0), default=None,
-              help="Host memory for swapped-out KV (default 4); beyond it, preemption recomputes.")
+              help="Host memory for swapped-out KV (default 4) where there is no host tier (--host-kv-gb: swap copies then share its budget); beyond it, preemption recomputes.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=None,
               help="On SIGTERM/Ctrl-C: seconds for requests in flight to finish (default 30); new ones get 503.")
 @click.option("--front-door", is_flag=True,

@@ -34,8 +34,9 @@ class EngineConfig:
     # When blocks run out: "recompute" a preempted request later (mostly from the prefix cache),
     # or "swap" its KV to host memory and back.
     preemption_mode: str = "recompute"
-    # Host memory that swapped-out KV may take (as vLLM's swap_space); a preemption that would go
-    # beyond it recomputes instead.
+    # Host memory that swapped-out KV may take (as vLLM's swap_space) where this process has no host
+    # tier; with one, swap copies come out of host_kv_bytes instead (one budget for host RAM's KV,
+    # pushing cached pages out). A preemption that finds no room recomputes instead.
     swap_space_bytes: int = 4 << 30
     tensor_parallel_size: int = 1  # > 1: a group of Ray actors, one per rank (cluster/executor)
     tp_collective: str = "auto"  # "auto" (NCCL / deepspeed shared memory / gloo) or "gloo"

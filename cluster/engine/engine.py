@@ -34,7 +34,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.errors import InvalidRequestError, WorkerLostError
 from cluster.engine.executor import Executor, SampledToken, SequenceInput, StepOutput
-from cluster.engine.kv_connector import KVConnector
+from cluster.engine.kv_connector import KVConnector, SwapBudget
 from cluster.engine.media import MediaItem, place_media, step_embeds
 from cluster.engine.outputs import PrefillResult, RequestDelta
 from cluster.engine.prompt import CheckedPrompt, PromptEncoder
@@ -74,8 +74,10 @@ class LLMEngine:
         # A swap copy holds every KV head (a TP group joins its ranks'): a whole page per block.
         c = self.model_config
         page_bytes = kv_bytes_per_block(c, c.num_key_value_heads, config.block_size, parse_dtype(config.kv_dtype))
+        # One budget for host RAM's KV: swap copies come out of the host tier's when there is one.
+        swap_space = (offload and offload.host_swap_space(page_bytes)) or SwapBudget(config.swap_space_bytes // page_bytes)
         self.kv_connector = KVConnector(self.kv_cache, offload, executor, prefetch=config.kv_prefetch,
-                                        swap_space_blocks=config.swap_space_bytes // page_bytes)
+                                        swap_space=swap_space)
         self.scheduler = Scheduler(self.kv_cache, self.kv_connector, config.max_num_batched_tokens,
                                    config.max_num_seqs, config.preemption_mode, config.tenant_scheduling)
         self._requests: dict[str, list[Request]] = {}

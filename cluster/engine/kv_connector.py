@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from cache_service import BlockHash, KVCacheManager
 from cache_service.offload import KVOffload
@@ -29,6 +29,33 @@ if TYPE_CHECKING:
     from cluster.engine.executor import Executor
     from cluster.engine.request import Request
     from model.kv_transfer import KVPart
+
+
+class SwapSpace(Protocol):
+    """Host memory for swap copies, counted in blocks: `take` room for one (False: there is none,
+    and the preempted request is recomputed instead), `give_back` once the copy is gone."""
+
+    def take(self, num_blocks: int) -> bool: ...
+
+    def give_back(self, num_blocks: int) -> None: ...
+
+
+class SwapBudget:
+    """A swap space of its own (swap_space_bytes), where this process has no host tier to draw
+    from (cache_service/offload.py's HostTierSwapSpace)."""
+
+    def __init__(self, capacity_blocks: int):
+        self.capacity_blocks = capacity_blocks
+        self.used_blocks = 0
+
+    def take(self, num_blocks: int) -> bool:
+        if self.used_blocks + num_blocks > self.capacity_blocks:
+            return False
+        self.used_blocks += num_blocks
+        return True
+
+    def give_back(self, num_blocks: int) -> None:
+        self.used_blocks -= num_blocks
 
 
 @dataclass(slots=True)
@@ -41,6 +68,7 @@ class _PendingKV:
     pages: dict[int, bytes] = field(default_factory=dict)
     swapped_tokens: int | None = None  # a swap copy covers this many tokens (its last block partly)
     swap_out: list[int] | None = None  # block ids to copy before the step (preempted with swap)
+    swap_blocks: int = 0  # taken from the swap space for that copy
     # Disaggregation, decode side: the prompt's KV from a prefill engine, installed on admission
     # from the first position the prefix cache did not have.
     imported: list[KVPart] | None = None
@@ -53,12 +81,12 @@ class _PendingKV:
 
 class KVConnector:
     def __init__(self, kv_cache: KVCacheManager, offload: KVOffload | None, executor: Executor,
-                 swap_space_blocks: int = 0, prefetch: bool = True):
+                 swap_space: SwapSpace | None = None, prefetch: bool = True):
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.offload = offload  # the tiers below device memory, if any
         self.executor = executor
-        self.swap_space_blocks = swap_space_blocks
+        self.swap_space = swap_space or SwapBudget(0)
         self.prefetch_enabled = prefetch and offload is not None and kv_cache.pool.enable_prefix_caching
         self.num_swapped_in = 0  # preempted requests that came back from their swap copy
         self._pending: dict[str, _PendingKV] = {}
@@ -145,6 +173,7 @@ class KVConnector:
         pending.import_from = num_device_tokens
         if pending.swapped_tokens is not None:
             pending.swapped_tokens, pending.pages = None, {i: pending.pages[i] for i in run}
+            self._drop_swap_copy(pending)
             self.num_swapped_in += 1
 
     def on_preempt(self, request: Request, num_computed_blocks: int, swap: bool) -> None:
@@ -154,9 +183,14 @@ class KVConnector:
         pending = self._get(request.request_id)
         pending.prefetch, pending.pages, pending.imported = None, {}, None
         pending.swapped_tokens = None
-        if swap and 0 < num_computed_blocks <= self.swap_space_blocks - self.num_swapped_blocks:
+        self._drop_swap_copy(pending)
+        if swap and num_computed_blocks > 0 and self.swap_space.take(num_computed_blocks):
             pending.swap_out = self.kv_cache.block_ids(request.request_id)[:num_computed_blocks]
-            pending.swapped_tokens = request.num_computed_tokens
+            pending.swapped_tokens, pending.swap_blocks = request.num_computed_tokens, num_computed_blocks
+
+    def _drop_swap_copy(self, pending: _PendingKV) -> None:
+        self.swap_space.give_back(pending.swap_blocks)
+        pending.swap_blocks = 0
 
     @property
     def num_swapped_blocks(self) -> int:
@@ -166,7 +200,9 @@ class KVConnector:
 
     def free(self, request_id: str) -> None:
         """The request ended: whatever it held goes (swap copy, loaded pages, parts)."""
-        self._pending.pop(request_id, None)
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self._drop_swap_copy(pending)
 
     # ---- worker side: bytes --------------------------------------------------------------
 

@@ -28,6 +28,29 @@ def test_host_tier_evicts_least_recently_used_under_its_cap():
     assert tier.used_bytes <= tier.capacity_bytes and tier.stats.evictions == 1
 
 
+def test_a_swap_copy_takes_the_host_tiers_room_and_pushes_out_the_oldest_pages():
+    size = 1000
+    pages = [(bytes([i]) * 8, bytes([i]) * size) for i in range(4)]
+    tier = HostTier(capacity_bytes=3 * size)
+    for key, data in pages[:3]:
+        assert tier.put(key, data)
+    assert tier.reserve(2 * size)  # a swap copy of two pages' size: the two oldest pages go
+    assert tier.contains([k for k, _ in pages[:3]]) == [False, False, True]
+    assert tier.put(*pages[3])  # one page's room is left: page 2 makes way for page 3
+    assert tier.contains([k for k, _ in pages]) == [False, False, False, True]
+    assert not tier.reserve(2 * size)  # beyond the cap even with no page: no room, nothing pushed out
+    assert tier.contains([pages[3][0]]) == [True] and tier.reserved_bytes == 2 * size
+    tier.release(2 * size)
+    assert tier.put(*pages[0]) and tier.put(*pages[1])
+    assert tier.used_bytes == 3 * size and tier.describe()["reserved_bytes"] == 0
+
+
+def test_a_page_that_fits_only_without_the_swap_copies_is_refused():
+    tier = HostTier(capacity_bytes=1000)
+    assert tier.reserve(1)
+    assert not tier.put(b"key", bytes(1000)) and len(tier) == 0
+
+
 def test_disk_round_trip_is_exact_bytes_in_real_files(tmp_path):
     tier = DiskTier(tmp_path, 1 << 30, IDENTITY)
     for dtype in ("float32", "float16", "bfloat16"):

@@ -45,16 +45,23 @@ def test_prefix_cache_hits_match_hf(llm, encoded, references):
     assert llm.engine.num_free_blocks == llm.engine.num_blocks
 
 
-@pytest.mark.parametrize("mode, swap_blocks", [("recompute", 0), ("swap", 1000), ("swap", 1)])
-def test_preempted_requests_still_match_hf(model_dir, encoded, references, mode, swap_blocks):
+@pytest.mark.parametrize("mode, swap_blocks, host_tier_blocks", [
+    ("recompute", 0, 0), ("swap", 1000, 0), ("swap", 1, 0),
+    ("swap", 0, 1000),  # swap copies drawn from the host tier's budget (swap_space_bytes is not used)
+])
+def test_preempted_requests_still_match_hf(model_dir, encoded, references, mode, swap_blocks, host_tier_blocks):
     short = [i for i, ids in enumerate(encoded) if len(ids) < 100]
     # 12 blocks of 16 tokens cannot hold every short request's context at once
     tight = LLM(model_dir, num_blocks=12, preemption_mode=mode, enable_prefix_caching=mode == "recompute",
-                swap_space_bytes=swap_blocks * block_bytes(model_dir))
+                swap_space_bytes=swap_blocks * block_bytes(model_dir),
+                host_kv_bytes=host_tier_blocks * block_bytes(model_dir))
     outputs = tight.generate([encoded[i] for i in short], GREEDY)
     stats = tight.engine.stats()
     assert stats.num_preemptions > 0
-    if swap_blocks == 1000:  # every preempted request came back from host memory (no prefix cache to help it)
+    if host_tier_blocks:  # every copy came out of the host tier's budget and went back to it
+        assert stats.num_swapped_in == stats.num_preemptions
+        assert tight.engine.kv_connector.offload.describe()["tiers"]["host"]["reserved_bytes"] == 0
+    elif swap_blocks == 1000:  # every preempted request came back from host memory (no prefix cache to help it)
         assert stats.num_swapped_in == stats.num_preemptions
     elif swap_blocks == 1:  # swap space for one block: a request holding more was recomputed instead
         assert 0 < stats.num_swapped_in < stats.num_preemptions
@@ -62,6 +69,8 @@ def test_preempted_requests_still_match_hf(model_dir, encoded, references, mode,
         assert stats.num_swapped_in == 0
     check_all([o.outputs[0].token_ids for o in outputs], [references[i] for i in short])
     assert stats.num_swapped_blocks == 0
+    if not host_tier_blocks:
+        assert tight.engine.kv_connector.swap_space.used_blocks == 0  # every copy's room given back
     assert tight.engine.num_free_blocks == 12
 
 
