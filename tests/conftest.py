@@ -39,6 +39,7 @@ def pytest_configure(config):
         ray.init = refuse
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups set here
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
@@ -57,6 +58,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """`--dist loadgroup` whose workers collected no "@group" ids is not grouping (pytest 9.2 with
+    xdist 3.8: pytest-dev/pytest-xdist#1386): each worker would start its own session server and
+    build every module's fixtures again. Said loudly instead of running slow."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in i for i in ids):
+        pytest.exit(f"--dist loadgroup does not group on pytest {pytest.__version__} "
+                    "(pytest-dev/pytest-xdist#1386): pip install 'pytest<9.2'", returncode=4)
 
 
 @pytest.fixture(scope="session")
