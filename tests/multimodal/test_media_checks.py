@@ -26,7 +26,7 @@ LIMITS = MediaLimits(max_image_pixels=4_000_000, max_audio_seconds=2.0)
     (png(5, (64, 64))[:400], "is a damaged PNG image"),
     (blank_image("JPEG", (64, 64))[:300], "is a damaged image"),
     (blank_image("PNG", (2001, 2000), "L"), "is 2001x2000 pixels; this server takes images of at most 4000000 pixels"),
-])
+], ids=["text", "gif", "bmp", "damaged png", "damaged jpeg", "too many pixels"])
 def test_bad_images_are_refused_naming_the_part(data, reason):
     with pytest.raises(InvalidRequestError) as error:
         decode_image(data, "messages[2].parts[1].image", LIMITS)
@@ -53,7 +53,7 @@ def _noise_flac() -> bytes:
     (silence("OGG"), "is OGG audio; taken: WAV, FLAC"),
     (silence("WAV", seconds=2.5), "is 2.5 s of audio; this server takes at most 2 s"),
     (_noise_flac()[:3000], "is damaged FLAC audio"),
-])
+], ids=["wav header only", "png", "ogg", "too long", "damaged flac"])  # named: an OGG's bytes differ each run
 def test_bad_audio_is_refused_naming_the_part(data, reason):
     with pytest.raises(InvalidRequestError) as error:
         decode_audio(data, "messages[0].parts[0].audio", LIMITS, 16000)
