@@ -8,6 +8,9 @@ connections to replica ports that another server may own by then (a draining ser
 answered by one that is not draining). The launcher points `RAY_SERVE_HAPROXY_BINARY_PATH` at a
 small script that asks the kernel to kill HAProxy when its parent dies (PR_SET_PDEATHSIG, kept
 across exec) and then runs the real binary in its place.
+
+Stopping, the other way round: Serve's shutdown kills its HAProxy (SIGKILL), cutting whatever
+request it holds at that moment, so `pagoda serve` soft-stops it first (`soft_stop_serve_haproxy`).
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
+
+import psutil
 
 logger = logging.getLogger("pagoda.haproxy_guard")
 
@@ -52,3 +58,20 @@ def guarded_haproxy(directory: Path) -> str | None:
             logger.warning("HAProxy runs unguarded (a kill -9 of the server would leave it on its ports): %s", e)
             return None
     return str(path)
+
+
+def soft_stop_serve_haproxy(node_id: str, timeout_s: float = 10) -> None:
+    """HAProxy's soft stop for Serve's HAProxy on this host for the Ray node `node_id` (Serve keeps
+    each node's config under a directory named by the node's id, so another server's is left
+    alone): it closes its listeners at once, so a new connection is refused (a client retries
+    elsewhere) rather than accepted and cut by Serve's kill, and ends once the requests it holds
+    are answered. Past `timeout_s` the rest is left to Serve's shutdown."""
+    proxies = []
+    for process in psutil.process_iter(["name", "cmdline"]):
+        if process.info["name"] == "haproxy" and any(node_id in arg for arg in process.info["cmdline"] or ()):
+            try:
+                process.send_signal(signal.SIGUSR1)
+                proxies.append(process)
+            except psutil.Error:  # gone meanwhile
+                pass
+    psutil.wait_procs(proxies, timeout=timeout_s)

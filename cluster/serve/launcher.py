@@ -16,7 +16,7 @@ from cluster.model_fetch import pagoda_home
 from cluster.ports import free_port
 from cluster.serve import drain as drain_module
 from cluster.serve import grpc_bind
-from cluster.serve.haproxy_guard import guarded_haproxy
+from cluster.serve.haproxy_guard import guarded_haproxy, soft_stop_serve_haproxy
 from cluster.serve.app import GRPC_SERVICERS, build_app, check_app_args, max_pending_requests
 from cluster.serve.placement import check_fit, cluster_nodes
 from cluster.serve.front_door import FrontDoor
@@ -157,12 +157,15 @@ def stop() -> None:
     from ray import serve
 
     global _front_door
-    # The front door goes first: from then on a new connection is refused (a client retries
-    # elsewhere), where during Serve's shutdown it would have been accepted and then cut.
+    # The front door and Serve's own HAProxy go first, softly: from then on a new connection is
+    # refused (a client retries elsewhere), where during Serve's shutdown it would have been
+    # accepted and then cut.
     try:
         if _front_door is not None:
             _front_door.stop()
             _front_door = None
+        if ray.is_initialized():
+            soft_stop_serve_haproxy(ray.get_runtime_context().get_node_id())
     finally:
         if ray.is_initialized():
             try:
