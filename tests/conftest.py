@@ -47,11 +47,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)  # `pytest -m "not slow"`: the fast tests alone
         if SERVED_FIXTURES & fixtures:
             item.add_marker(pytest.mark.ray)
-        # `make test` runs two pytest workers (xdist, --dist loadgroup): every test of the session's
-        # server (and of its Ray cluster) goes to one worker, so one server starts per run; the
-        # others go by module, so a module's fixtures are built once.
-        group = "session-server" if SERVED_FIXTURES & fixtures else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+        # `make test` runs pytest workers (xdist, --dist loadgroup) that take whole groups: the
+        # tests of the session's server in one, so one server starts for them; a module that
+        # deploys applications of its own on the session's cluster is in the group "served-apps"
+        # (its `pytestmark`), so that its long queue can run beside theirs, on a second server
+        # where the two land on different workers; the other tests go by module, so a module's
+        # fixtures are built once.
+        if item.get_closest_marker("xdist_group") is None:
+            group = "session-server" if SERVED_FIXTURES & fixtures else item.module.__name__
+            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

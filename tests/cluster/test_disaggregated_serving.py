@@ -30,7 +30,7 @@ from tests.conftest import PARITY_MAX_TOKENS
 from tests.hf_reference import check_all
 from tests.parity_prompts import DOC, parity_prompts
 
-pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("served-apps")]  # make test only; apps of its own on the session cluster
 
 # The server-level TP groups use gloo: deepspeed's shared-memory all-reduce busy-waits, and on 2
 # cores shared with another CPU-bound process (Ray runs its workers at nice 15) a waiting rank

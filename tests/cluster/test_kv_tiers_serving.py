@@ -9,7 +9,7 @@ from tests.cluster.test_disaggregated_serving import answer, deployed, grpc_requ
 from tests.cluster.test_serving import scrape_until
 from tests.parity_prompts import DOC, DOC_B
 
-pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("served-apps")]  # make test only; apps of its own on the session cluster
 
 
 def test_an_evicted_document_comes_back_from_the_cache_service_on_either_replica(server, model_dir):

@@ -7,7 +7,7 @@ import pytest
 
 from cluster import LLM, SamplingParams
 
-pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("served-apps")]  # make test only; apps of its own on the session cluster
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, a small robot"]
 

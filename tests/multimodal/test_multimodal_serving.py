@@ -26,6 +26,8 @@ from tests.hf_reference import check_all
 from tests.multimodal.conftest import FAMILIES, MAX_TOKENS
 from tests.multimodal.models import blank_image, image_conversations, png, silence, wav
 
+pytestmark = pytest.mark.xdist_group("served-apps")  # apps of its own on the session cluster (tests/conftest.py)
+
 MAX_MEDIA_BYTES = 64 << 10
 
 
