@@ -32,9 +32,9 @@ serve: model
 demo: model
 	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
 
-# Pytest workers: tests wait on servers, drains and Serve's deploys for much of their time, so a third
-# worker on 2 cores keeps them busy (docs/benchmarks.md, the suite)
-TEST_WORKERS ?= 3
+# Pytest workers (xdist): two keep 2 cores busy; a third ran this 24 GB host out of memory (each
+# worker holds its own models and servers)
+TEST_WORKERS ?= 2
 
 test: model
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30 tests

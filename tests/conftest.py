@@ -10,6 +10,10 @@ import signal
 # step (3-24x slower steps measured beside one CPU-bound process; docs/benchmarks-log.md). Set before
 # torch loads; the servers and Ray workers the tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The Ray workers' log lines (every request's access log among them) stay in the session's log
+# files (/tmp/ray/session_latest/logs) instead of being shipped to, and printed by, every pytest
+# worker: CPU the tests share, and lines that interleave with pytest's own output.
+os.environ.setdefault("RAY_LOG_TO_DRIVER", "0")
 
 # Ctrl-C as a terminal gives it: a shell that starts the suite in the background (`make test &`, a
 # CI runner's script) leaves SIGINT ignored, every process the tests start inherits that, and
