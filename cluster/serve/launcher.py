@@ -27,6 +27,7 @@ PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
 HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 INGRESS_DEREGISTRATION_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+PROXY_READY_TIMEOUT_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
 # Serve settings for the clusters started here (a variable already set is kept):
 # - autoscaled replicas report their engine's queue and KV use every 2 s (Ray's default, 10 s,
 #   makes the policy see a burst late);
@@ -41,7 +42,11 @@ HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 #   thread fewer in each process (one served stream on 2 cores: the Ingress's and LLMServer's
 #   CPU a token ~0.5 and ~0.37 ms -> ~0.34 and ~0.29; docs/benchmarks-log.md). Pagoda's deployments
 #   run their blocking work on threads of their own (the engine, tokenizing).
+# - a proxy actor (HAProxy's manager) gets 60 s to start instead of Serve's 5: on a busy host its
+#   process start and imports took longer, Serve's controller killed it, and serve.start failed
+#   with ActorDiedError (the suite beside a `make -j2` build, docs/benchmarks-log.md).
 SERVE_ENV_DEFAULTS = {PUSH_INTERVAL_ENV: "2", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+                      PROXY_READY_TIMEOUT_ENV: "60",
                       "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
                       "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 _front_door: FrontDoor | None = None
