@@ -14,10 +14,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # files (/tmp/ray/session_latest/logs) instead of being shipped to, and printed by, every pytest
 # worker: CPU the tests share, and lines that interleave with pytest's own output.
 os.environ.setdefault("RAY_LOG_TO_DRIVER", "0")
-# What `pagoda serve` sets for its clusters (cluster/serve/launcher.py), for the ones Ray's own
-# tools start here too (`serve run`, the simulated multi-node cluster): a busy CI host must not get
-# Serve's proxy killed for starting slowly.
-os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 # Ctrl-C as a terminal gives it: a shell that starts the suite in the background (`make test &`, a
 # CI runner's script) leaves SIGINT ignored, every process the tests start inherits that, and
@@ -28,6 +24,13 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from cluster.serve.launcher import PROXY_READY_TIMEOUT_ENV, SERVE_ENV_DEFAULTS  # noqa: E402
+
+# What `pagoda serve` sets for its clusters, for the ones Ray's own tools start here too (`serve
+# run`, the simulated multi-node cluster): a busy CI host must not get Serve's proxy killed for
+# starting slowly.
+os.environ.setdefault(PROXY_READY_TIMEOUT_ENV, SERVE_ENV_DEFAULTS[PROXY_READY_TIMEOUT_ENV])
 
 
 # A test that uses one of these loads the real default model (or a server of it): slow.

@@ -195,8 +195,7 @@ class KVConnector:
     @property
     def num_swapped_blocks(self) -> int:
         """Blocks that preempted requests hold in host memory now (or will, after this step)."""
-        return sum(len(p.swap_out) if p.swap_out is not None else len(p.pages)
-                   for p in list(self._pending.values()) if p.swapped_tokens is not None)
+        return sum(p.swap_blocks for p in list(self._pending.values()))
 
     def free(self, request_id: str) -> None:
         """The request ended: whatever it held goes (swap copy, loaded pages, parts)."""
