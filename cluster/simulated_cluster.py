@@ -75,8 +75,11 @@ class SimulatedCluster:
         if resources:
             cmd.append(f"--resources={json.dumps(resources)}")
         # Every process of this cluster inherits the marker, whatever title it gives itself later.
+        # Each simulated node's memory monitor would count the whole host's memory as its own,
+        # and kill this cluster's workers (Serve's controller, the proxy) for what other processes
+        # on the host use: the kernel's OOM killer is left to judge instead.
         env = {**os.environ, "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "token",
-               MARKER: self.temp_dir.name, **self.env}
+               "RAY_memory_monitor_refresh_ms": "0", MARKER: self.temp_dir.name, **self.env}
         started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         if started.returncode != 0:
             self.session = self._session_name()

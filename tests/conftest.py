@@ -35,9 +35,11 @@ os.environ.setdefault(PROXY_READY_TIMEOUT_ENV, SERVE_ENV_DEFAULTS[PROXY_READY_TI
 
 # A test that uses one of these loads the real default model (or a server of it): slow.
 REAL_MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model", "llm", "server", "stub", "ingress"}
-# ...and one that uses these is served on a Ray cluster: `make test` only (`make test-fast` is
-# `-m "not ray"`; modules that start Ray themselves say `pytestmark = pytest.mark.ray`).
-SERVED_FIXTURES = {"server", "stub"}
+# ...and one that uses these is served, on a Ray cluster or by the Ingress in process: `make test`
+# only (`make test-fast` is `-m "not ray"`; modules that start Ray or serve a model themselves say
+# `pytestmark = pytest.mark.ray`).
+SERVED_FIXTURES = {"server", "stub", "ingress"}
+SESSION_SERVER_FIXTURES = {"server", "stub"}
 
 
 def pytest_configure(config):
@@ -65,7 +67,7 @@ def pytest_collection_modifyitems(config, items):
         # where the two land on different workers; the other tests go by module, so a module's
         # fixtures are built once.
         if item.get_closest_marker("xdist_group") is None:
-            group = "session-server" if SERVED_FIXTURES & fixtures else item.module.__name__
+            group = "session-server" if SESSION_SERVER_FIXTURES & fixtures else item.module.__name__
             item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return

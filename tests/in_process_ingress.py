@@ -2,12 +2,16 @@
 request pipeline and both adapters exactly as a replica runs them, for the tests whose point is
 the serving front (validation, tenants, errors, structured output), not Ray.
 
-    client = InProcessIngress(model_dir, tenants=...)   # HTTP: client.http.post(...)
+    client = InProcessIngress(model_dir, tenants=..., usage_log=...)  # HTTP: client.http.post(...)
     client.grpc("Generate", request, authorization=...) # gRPC: the replica's method, by name
+    for message in client.grpc_stream("Generate", request): ...  # each message as it is sent
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import queue
 
 import grpc
 from fastapi.testclient import TestClient
@@ -44,32 +48,59 @@ class GrpcError(Exception):
         self.code, self.details = context.code, context.details
 
 
+def call_context(authorization: str | None) -> GrpcCallContext:
+    return GrpcCallContext({"authorization": authorization} if authorization else {})
+
+
+@contextlib.contextmanager
+def grpc_error(context: GrpcCallContext):
+    """A failed call as the client sees it: GrpcError with the code the method set."""
+    try:
+        yield
+    except Exception as e:
+        if context.code != grpc.StatusCode.OK:
+            raise GrpcError(context) from e
+        raise
+
+
 class InProcessIngress:
-    def __init__(self, model_dir: str, tenants=None, engine: dict | None = None, **ingress_args):
+    def __init__(self, model_dir: str, tenants=None, usage_log: str | None = None, engine: dict | None = None,
+                 **ingress_args):
         server = InProcess(LLMServer, {"engine_config": {"model": model_dir, **ENGINE, **(engine or {})},
                                        "max_waiting_requests": 32, "request_timeout_s": 300})
-        self.ingress = Ingress(server, InProcess(TenantLedger, {"tenants": tenants}), tenants=tenants, **ingress_args)
+        ledger = InProcess(TenantLedger, {"tenants": tenants, "usage_log": usage_log})
+        self.ingress = Ingress(server, ledger, tenants=tenants, **ingress_args)
         self.http = TestClient(self.ingress.__serve_build_asgi_app__())
         self.http.__enter__()  # one event loop for the life of the client, as a replica has
 
     def grpc(self, method: str, request, authorization: str | None = None):
         """Calls the replica's gRPC method on the app's event loop: a list of the messages of a
         streaming method, the response of a unary one; GrpcError with the call's code on failure."""
-        context = GrpcCallContext({"authorization": authorization} if authorization else {})
         call = getattr(self.ingress, method)
+        if inspect.isasyncgenfunction(call):
+            return list(self.grpc_stream(method, request, authorization))
+        context = call_context(authorization)
+        takes_context = len(inspect.signature(call).parameters) == 2  # Health and List take the request alone
+        with grpc_error(context):
+            return self.http.portal.call(call, *((request, context) if takes_context else (request,)))
+
+    def grpc_stream(self, method: str, request, authorization: str | None = None):
+        """A streaming method's messages, each as the replica yields it (from any thread)."""
+        context = call_context(authorization)
+        messages, end = queue.Queue(), object()
 
         async def run():
-            result = call(request, context)
-            if hasattr(result, "__aiter__"):
-                return [message async for message in result]
-            return await result
+            try:
+                async for message in getattr(self.ingress, method)(request, context):
+                    messages.put(message)
+            finally:
+                messages.put(end)
 
-        try:
-            return self.http.portal.call(run)
-        except Exception as e:
-            if context.code != grpc.StatusCode.OK:
-                raise GrpcError(context) from e
-            raise
+        call = self.http.portal.start_task_soon(run)
+        while (message := messages.get()) is not end:
+            yield message
+        with grpc_error(context):
+            call.result()
 
     def close(self) -> None:
         self.http.__exit__(None, None, None)

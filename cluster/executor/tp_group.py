@@ -60,6 +60,9 @@ class TPWorker:
         return output, [s.sampling.generator.get_state() if s.sampling and s.sampling.generator else None for s in seqs]
 
 
+RENDEZVOUS_TRIES = 3
+
+
 class TPGroup:
     def __init__(self, model_dir: str, tp_size: int, *, block_size: int, num_blocks: int | None, kv_cache_bytes: int,
                  max_model_len: int | None, dtype: torch.dtype, kv_cache_dtype: torch.dtype, device: str,
@@ -85,19 +88,30 @@ class TPGroup:
         bundle = {"CPU": cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         self.placement = placement_group([bundle] * tp_size, strategy=placement_strategy)
         ray.get(self.placement.ready(), timeout=120)
-        self.init_method = init_method = ray.get(_rendezvous_on_rank0_node.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=self.placement, placement_group_bundle_index=0)).remote(), timeout=120)
         one_host = len(set(placement_group_table(self.placement)["bundles_to_node_id"].values())) == 1
         shared_memory = collective == "auto" and one_host
         worker = ray.remote(TPWorker)
         threads = torch_threads or max(1, (os.cpu_count() or 1) // tp_size)
-        self.workers = [
-            worker.options(num_cpus=cpus_per_worker, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.placement, placement_group_bundle_index=rank)).remote(
-                model_dir, rank, tp_size, init_method, runner_kwargs, threads, shared_memory)
-            for rank in range(tp_size)
-        ]
-        self.ranks = ray.get([w.describe.remote() for w in self.workers], timeout=600)
+        on_bundle = [PlacementGroupSchedulingStrategy(placement_group=self.placement, placement_group_bundle_index=rank)
+                     for rank in range(tp_size)]
+        # The rendezvous port is free when picked, but another process may bind it before rank 0
+        # does: the ranks then start again at a port picked anew.
+        for attempt in range(RENDEZVOUS_TRIES):
+            self.init_method = init_method = ray.get(
+                _rendezvous_on_rank0_node.options(scheduling_strategy=on_bundle[0]).remote(), timeout=120)
+            self.workers = [
+                worker.options(num_cpus=cpus_per_worker, num_gpus=gpus, scheduling_strategy=on_bundle[rank]).remote(
+                    model_dir, rank, tp_size, init_method, runner_kwargs, threads, shared_memory)
+                for rank in range(tp_size)
+            ]
+            try:
+                self.ranks = _get_all([w.describe.remote() for w in self.workers], timeout_s=600)
+                break
+            except WorkerLostError as e:
+                for w in self.workers:
+                    ray.kill(w)
+                if "EADDRINUSE" not in str(e.__cause__) or attempt == RENDEZVOUS_TRIES - 1:
+                    raise
         self.num_blocks = num_blocks
         self.max_model_len = self.ranks[0]["max_model_len"]
         self.bytes_per_block = bytes_per_block
@@ -191,16 +205,18 @@ def _join_group(rank: int, tp_size: int, init_method: str, device: str, shared_m
     return "gloo", torch_all_reduce
 
 
-def _get_all(refs: list) -> list:
+def _get_all(refs: list, timeout_s: float | None = None) -> list:
     """ray.get of every rank's result, failing as soon as one rank fails: the others then wait
     in a collective for the lost rank and would never answer. A rank whose process died is a
     WorkerLostError: this group cannot run again."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
     pending = list(refs)
     try:
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            if not done:
+                raise GetTimeoutError(f"{len(pending)} of {len(refs)} ranks did not answer within {timeout_s} s")
             ray.get(done)  # raises the rank's error
         return ray.get(refs)
     except (RayActorError, ActorDiedError, ActorUnavailableError) as e:

@@ -1,6 +1,8 @@
-"""Structured output and tool calls over the real server, with the official openai client: 100
-requests under a JSON schema all parse and validate, a tool call round trip, the same over gRPC,
-and a schema that cannot compile is 400 / INVALID_ARGUMENT naming the field."""
+"""Structured output and tool calls served, with the official openai client: 100 requests under a
+JSON schema all parse and validate, a tool call round trip, the same over gRPC, and a schema that
+cannot compile is 400 / INVALID_ARGUMENT naming the field. The client talks to the Ingress with its
+engine in this process (tests/in_process_ingress.py), the pipeline and adapters a replica runs:
+what is asserted here is the front's and the engine's, not Ray's."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import pytest
 from openai import OpenAI
 
 from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc as pb_grpc
 from tests.cluster.test_structured_output import PERSON
+from tests.in_process_ingress import GrpcError
 
 # Nested object, enums, an array, a bounded integer and a boolean, in ~30 tokens: 100 of them fit the
 # suite's time.
@@ -38,16 +40,23 @@ WEATHER = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=f"{server['http']}/v1", api_key="unused", max_retries=0, timeout=300)
+def client(ingress):
+    return OpenAI(base_url=f"{ingress.http.base_url}/v1", http_client=ingress.http, api_key="unused", max_retries=0,
+                  timeout=300)
 
 
-def test_a_hundred_requests_under_a_schema_all_validate(client, server):
+@pytest.fixture(scope="module")
+def served(ingress):
+    """What the server calls its model (`model` in each request)."""
+    return {"model": ingress.http.get("/v1/models").json()["data"][0]["id"]}
+
+
+def test_a_hundred_requests_under_a_schema_all_validate(client, served):
     schema_format = {"type": "json_schema", "json_schema": {"name": "animal", "schema": ANIMAL, "strict": True}}
 
     def ask(i: int) -> str:
         answer = client.chat.completions.create(
-            model=server["model"], messages=[{"role": "user", "content": f"Describe animal number {i} as JSON."}],
+            model=served["model"], messages=[{"role": "user", "content": f"Describe animal number {i} as JSON."}],
             response_format=schema_format, max_tokens=80, temperature=1.0, seed=i)
         assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content
         return answer.choices[0].message.content
@@ -59,21 +68,21 @@ def test_a_hundred_requests_under_a_schema_all_validate(client, server):
     assert len(set(answers)) > 20  # sampled, seeded apart
 
 
-def test_a_schema_that_cannot_compile_is_refused_naming_the_field(client, server):
+def test_a_schema_that_cannot_compile_is_refused_naming_the_field(client, served):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "Hi"}],
+        client.chat.completions.create(model=served["model"], messages=[{"role": "user", "content": "Hi"}],
                                        response_format=bad, max_tokens=8)
     assert refused.value.status_code == 400 and refused.value.body["param"] == "response_format.json_schema"
     with pytest.raises(openai.BadRequestError):  # a json_schema without its schema
-        client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "Hi"}],
+        client.chat.completions.create(model=served["model"], messages=[{"role": "user", "content": "Hi"}],
                                        response_format={"type": "json_schema", "json_schema": {"name": "x"}})
 
 
-def test_a_tool_call_round_trip(client, server):
+def test_a_tool_call_round_trip(client, served):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.chat.completions.create(
-        model=server["model"], messages=messages, tools=[WEATHER],
+        model=served["model"], messages=messages, tools=[WEATHER],
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, temperature=0)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -82,31 +91,29 @@ def test_a_tool_call_round_trip(client, server):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
-    second = client.chat.completions.create(model=server["model"], messages=messages, tools=[WEATHER],
+    second = client.chat.completions.create(model=served["model"], messages=messages, tools=[WEATHER],
                                             max_tokens=30, temperature=0)
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert second.choices[0].message.content or second.choices[0].message.tool_calls
-    required = client.chat.completions.create(model=server["model"], messages=messages[:1], tools=[WEATHER],
+    required = client.chat.completions.create(model=served["model"], messages=messages[:1], tools=[WEATHER],
                                               tool_choice="required", max_tokens=60, temperature=0)
     assert required.choices[0].message.tool_calls[0].function.name == "get_weather"
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=server["model"], messages=messages[:1], tools=[WEATHER],
+        client.chat.completions.create(model=served["model"], messages=messages[:1], tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert refused.value.body["param"] == "tool_choice"
 
 
-def test_grpc_response_format(server):
-    with grpc.insecure_channel(server["grpc"]) as channel:
-        stub = pb_grpc.InferenceStub(channel)
-        request = pb.GenerateRequest(
-            messages=[pb.Message(role="user", parts=[pb.Part(text="Describe a person.")])],
-            sampling=pb.SamplingParams(max_tokens=160, temperature=0),
-            response_format=pb.ResponseFormat(type="json_schema", json_schema=json.dumps(PERSON)))
-        responses = list(stub.Generate(request, timeout=300))
-        assert responses[-1].finish_reason == "stop"
-        jsonschema.validate(json.loads("".join(r.text for r in responses)), PERSON)
-        bad = pb.GenerateRequest(prompt="Hi", response_format=pb.ResponseFormat(type="json_schema", json_schema="{"))
-        with pytest.raises(grpc.RpcError) as refused:
-            list(stub.Generate(bad, timeout=60))
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "response_format.json_schema" in refused.value.details()
+def test_grpc_response_format(ingress):
+    request = pb.GenerateRequest(
+        messages=[pb.Message(role="user", parts=[pb.Part(text="Describe a person.")])],
+        sampling=pb.SamplingParams(max_tokens=160, temperature=0),
+        response_format=pb.ResponseFormat(type="json_schema", json_schema=json.dumps(PERSON)))
+    responses = ingress.grpc("Generate", request)
+    assert responses[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(r.text for r in responses)), PERSON)
+    bad = pb.GenerateRequest(prompt="Hi", response_format=pb.ResponseFormat(type="json_schema", json_schema="{"))
+    with pytest.raises(GrpcError) as refused:
+        ingress.grpc("Generate", bad)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "response_format.json_schema" in refused.value.details

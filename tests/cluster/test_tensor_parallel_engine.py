@@ -1,13 +1,15 @@
 """The engine over a TP=2 group of Ray actors (gloo) gives the single-process engine's tokens.
 Uses the session's Ray cluster (the `server` fixture starts it with its metrics port)."""
 
+import socket
 from pathlib import Path
 
 import pytest
+import ray
 
 from cluster import LLM, SamplingParams
 
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("served-apps")]  # make test only; apps of its own on the session cluster
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("session-server")]  # make test only; on the session cluster, beside its server's tests
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, a small robot"]
 
@@ -54,3 +56,30 @@ def test_tp2_swap_preemption_gives_the_same_tokens(server, model_dir, llm):
         assert tight.engine.num_free_blocks == 12 and stats.num_swapped_blocks == 0
     finally:
         tight.engine.executor.shutdown()
+
+
+def test_a_rendezvous_port_taken_before_rank_0_binds_it_starts_the_group_on_another(server, model_dir, llm,
+                                                                                    monkeypatch):
+    """The port is free when picked; another process binds it before rank 0's store does."""
+    from cluster.executor import tp_group
+
+    taken = socket.create_server(("0.0.0.0", 0))
+    picked = tp_group._rendezvous_on_rank0_node
+    picks = []
+
+    class FirstPickTaken:
+        def options(self, **options):
+            picks.append(options)
+            if len(picks) == 1:
+                return type("Taken", (), {"remote": lambda _: ray.put(f"tcp://127.0.0.1:{taken.getsockname()[1]}")})()
+            return picked.options(**options)
+
+    monkeypatch.setattr(tp_group, "_rendezvous_on_rank0_node", FirstPickTaken())
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    group = LLM(model_dir, tensor_parallel_size=2, num_blocks=16)
+    try:
+        assert len(picks) == 2 and group.engine.executor.init_method != f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        assert group.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids == llm.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids
+    finally:
+        group.engine.executor.shutdown()
+        taken.close()
