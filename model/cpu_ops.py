@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import sys
 from functools import cache
 from pathlib import Path
 
-from model.extension_lock import sole_loader
+from model.extension_lock import build_directory, sole_loader
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,23 @@ def cpu_ops():
 
         name = f"pagoda_cpu_ops_{build_key()}"
         with sole_loader(name):
-            return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            return load(name=name, sources=[str(kept_sources(name))], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                         extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: run torch's paths
         logger.warning("Pagoda's CPU kernels are unavailable (%s); using torch's paths", exc)
         return None
+
+
+def kept_sources(name: str) -> Path:
+    """The .cpp in a copy of model/csrc kept in the build's own directory (the name holds the
+    sources' digest, so the copy never goes stale): torch's builder compiles again when a source's
+    path or time changes, which every fresh checkout would do (~35 s on 2 cores)."""
+    kept = build_directory(name) / "src"
+    if not (kept / SOURCE.name).exists():
+        scratch = kept.with_name(f"src.{os.getpid()}.tmp")
+        shutil.copytree(SOURCE.parent, scratch, dirs_exist_ok=True)
+        os.replace(scratch, kept)  # whole or absent
+    return kept / SOURCE.name
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ REAL_MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model", "llm", "server", "s
 # ...and one that uses these is served, on a Ray cluster or by the Ingress in process: `make test`
 # only (`make test-fast` is `-m "not ray"`; modules that start Ray or serve a model themselves say
 # `pytestmark = pytest.mark.ray`).
-SERVED_FIXTURES = {"server", "stub", "ingress"}
+SERVED_FIXTURES = {"serve_cluster", "server", "stub", "ingress"}
 SESSION_SERVER_FIXTURES = {"server", "stub"}
 
 
@@ -137,13 +137,29 @@ def references(request, model_dir, encoded):
 
 
 @pytest.fixture(scope="session")
-def server(model_dir):
-    """One real local Ray cluster + Serve (gRPC and HTTP proxies) with Pagoda, for the session."""
+def serve_cluster():
+    """The session's real local Ray cluster with Serve's HTTP and gRPC proxies, no application yet:
+    what modules that deploy applications of their own need (`server` adds Pagoda's)."""
     from cluster.ports import free_port
     from cluster.serve import launcher
 
     # Free ports: nothing else on the host (another checkout's tests, a server) can be in the way.
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    # Ray exports metrics every 10 s by default; 1 s lets metric tests settle quickly and surely.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+    # 4 logical CPUs on 2 cores: room for the TP worker groups the disaggregation tests add.
+    launcher.start_ray(num_cpus=4, metrics_port=metrics_port)
+    launcher.start_serve(http_port, grpc_port)
+    yield {"metrics": f"http://127.0.0.1:{metrics_port}/metrics", "http": f"http://127.0.0.1:{http_port}",
+           "grpc": f"127.0.0.1:{grpc_port}", "http_port": http_port, "grpc_port": grpc_port}
+    launcher.stop()
+
+
+@pytest.fixture(scope="session")
+def server(serve_cluster, model_dir):
+    """Pagoda on the session's cluster, for the session."""
+    from cluster.serve import launcher
+
     args = {
         "model": model_dir,
         "engine": {"kv_cache_bytes": 256 << 20, "max_num_seqs": 16},
@@ -155,17 +171,8 @@ def server(model_dir):
         "torch_threads": 2,
         "llm_server": {"max_ongoing_requests": 1024, "ray_actor_options": {"num_cpus": 1}},
     }
-    # Ray exports metrics every 10 s by default; 1 s lets metric tests settle quickly and surely.
-    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
-    # 4 logical CPUs on 2 cores: room for the TP worker groups the disaggregation tests add.
-    info = launcher.start(args, http_port, grpc_port, num_cpus=4, metrics_port=metrics_port)
-    yield {
-        "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
-        "http": f"http://127.0.0.1:{http_port}",
-        "grpc": f"127.0.0.1:{grpc_port}",
-        "model": info["id"],
-    }
-    launcher.stop()
+    info = launcher.start(args, serve_cluster["http_port"], serve_cluster["grpc_port"])
+    return {key: serve_cluster[key] for key in ("metrics", "http", "grpc")} | {"model": info["id"]}
 
 
 @pytest.fixture(scope="session")

@@ -45,19 +45,36 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> Reference
 def cached_greedy(model_dir: str, load_hf_model: Callable[[], object], prompts: list[list[int]],
                   max_new_tokens: int) -> list[Reference]:
     """`hf_greedy` of each prompt, from the disk cache or computed (HF loaded only then) and kept."""
+
+    def compute() -> list[Reference]:
+        hf_model = load_hf_model()
+        return [hf_greedy(hf_model, prompt, max_new_tokens) for prompt in prompts]
+
+    return kept_on_disk(model_dir, [prompts, max_new_tokens], compute)
+
+
+def kept_on_disk(model_dir: str, question: list, compute: Callable[[], list[Reference]]) -> list[Reference]:
+    """HF's answers to `question` (anything whose repr names it) on the model in `model_dir`: from
+    the disk cache, or `compute()`d and kept. The key holds the weights' fingerprint, the
+    directory's other files (config, tokenizer, processor, template) and the versions of
+    transformers and torch."""
+    from pathlib import Path
+
     import transformers
 
     from cluster.model_fetch import pagoda_home
-    from model.loader import weights_fingerprint
+    from model.loader import weight_files, weights_fingerprint
 
-    key = json.dumps([weights_fingerprint(model_dir), transformers.__version__, torch.__version__, prompts, max_new_tokens])
+    weights = {p.name for p in weight_files(model_dir)}
+    others = [(p.name, p.read_bytes()) for p in sorted(Path(model_dir).iterdir())
+              if p.is_file() and p.name not in weights and not p.name.startswith(".")]  # a dotfile: a cache
+    key = repr([weights_fingerprint(model_dir), others, transformers.__version__, torch.__version__, question])
     path = pagoda_home() / "test-oracle" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
     try:
         return [Reference(**answer) for answer in json.loads(path.read_text())]
     except (OSError, ValueError, TypeError):
         pass
-    hf_model = load_hf_model()
-    answers = [hf_greedy(hf_model, prompt, max_new_tokens) for prompt in prompts]
+    answers = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps([asdict(answer) for answer in answers]))

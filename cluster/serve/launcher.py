@@ -73,28 +73,14 @@ def start(
     metrics_port: int | None = None,
 ) -> dict:
     """Deploys and blocks until /health answers; returns {"id": the served model's name}. Ray stays up."""
-    import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
 
     config, prefill_engine, decode_engine = check_app_args(app_args)
     if not config.api_keys_file:
         logger.warning("no API keys (--api-keys / api_keys_file): the server answers anyone who can reach it")
-    for name, value in SERVE_ENV_DEFAULTS.items():  # a local cluster's processes inherit them
-        os.environ.setdefault(name, value)
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address)
-        else:
-            # A new local cluster ("local": never attach to another one found on this machine),
-            # bound to loopback, without the dashboard (~0.9 GB less memory).
-            ray.init(
-                address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                _metrics_export_port=metrics_port,  # Prometheus scrapes Pagoda's metrics here
-                runtime_env=local_runtime_env("127.0.0.1"),
-            )
-            # This cluster cannot grow: a shape that does not fit it fails now, not after Serve's retries.
-            check_fit(config, prefill_engine, decode_engine, cluster_nodes())
+    if start_ray(address, num_cpus, metrics_port):
+        # This cluster cannot grow: a shape that does not fit it fails now, not after Serve's retries.
+        check_fit(config, prefill_engine, decode_engine, cluster_nodes())
     global _front_door
     drain_module.reset()  # before the replicas look: an earlier server's drain on this cluster is over
     serve_http_port = http_port
@@ -104,10 +90,7 @@ def start(
                                 idle_timeout_s=(config.request_timeout_s or 3600) + 60)
         _front_door.start()
         app_args = {**app_args, "front_door_dir": str(_front_door.dir)}
-    serve.start(
-        http_options=HTTPOptions(host="127.0.0.1", port=serve_http_port),
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
-    )
+    start_serve(serve_http_port, grpc_port)
     serve.run(build_app(app_args), name=APP_NAME, route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + ready_timeout_s
@@ -121,6 +104,35 @@ def start(
         if time.monotonic() > deadline:
             raise TimeoutError(f"Pagoda did not become ready within {ready_timeout_s:.0f}s")
         time.sleep(0.5)
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None, metrics_port: int | None = None) -> bool:
+    """Joins the cluster at `address`, or starts a new local one; True where it started one.
+    Nothing where this process is connected already."""
+    import ray
+
+    for name, value in SERVE_ENV_DEFAULTS.items():  # a local cluster's processes inherit them
+        os.environ.setdefault(name, value)
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address)
+        return False
+    # A new local cluster ("local": never attach to another one found on this machine), bound to
+    # loopback, without the dashboard (~0.9 GB less memory).
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             _metrics_export_port=metrics_port,  # Prometheus scrapes Pagoda's metrics here
+             runtime_env=local_runtime_env("127.0.0.1"))
+    return True
+
+
+def start_serve(http_port: int, grpc_port: int) -> None:
+    """Serve's HTTP and gRPC ingress on these ports (loopback), Pagoda's gRPC service on the latter."""
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS))
 
 
 def local_runtime_env(host: str) -> dict:

@@ -161,8 +161,8 @@ def all_blocks_free(group: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server_with_model(server, model_dir):
-    return {**server, "model_dir": model_dir}
+def server_with_model(serve_cluster, model_dir):
+    return {**serve_cluster, "model_dir": model_dir}
 
 
 def test_tp2_colocated_server_matches_hf(server_with_model, references):
@@ -236,7 +236,7 @@ def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_opens_the_break
         assert all(all_blocks_free(g) for g in status(app)["groups"])
 
 
-def test_kv_lost_with_its_prefill_replica_fails_only_that_request(server):
+def test_kv_lost_with_its_prefill_replica_fails_only_that_request(serve_cluster):
     """The decode side fetches a prompt's KV before its engine takes the request, so KV it cannot
     get is that request's UNAVAILABLE error, found up front, not a failed step for every running
     request. (A dead owner only loses the object across nodes: on one node the object store keeps

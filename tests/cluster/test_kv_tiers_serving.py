@@ -12,11 +12,11 @@ from tests.parity_prompts import DOC, DOC_B
 pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("served-apps")]  # make test only; apps of its own on the session cluster
 
 
-def test_an_evicted_document_comes_back_from_the_cache_service_on_either_replica(server, model_dir):
+def test_an_evicted_document_comes_back_from_the_cache_service_on_either_replica(serve_cluster, model_dir):
     doc = grpc_request({"prompt": DOC[:2400]}, max_tokens=8)
     others = [grpc_request({"prompt": DOC_B[i:i + 2400]}, max_tokens=8) for i in (0, 3000)]
     engine = {"num_blocks": 48, "max_num_batched_tokens": 256, "host_kv_bytes": 64 << 20, "kv_cache_service_shards": 2}
-    server = {**server, "model_dir": model_dir}
+    server = {**serve_cluster, "model_dir": model_dir}
     try:
         with deployed(server, "pagoda-tiers", "/tiers", engine=engine) as app:
             first = answer(app, doc)
@@ -56,12 +56,12 @@ def metric_value(text: str, name: str, label: str = "") -> float:
                if line.startswith(name + "{") and label in line)
 
 
-def test_a_replica_stopped_by_serve_leaves_its_prefix_cache_for_the_next_one(server, model_dir, tmp_path):
+def test_a_replica_stopped_by_serve_leaves_its_prefix_cache_for_the_next_one(serve_cluster, model_dir, tmp_path):
     """Nothing was evicted (device memory has room), so only the drain at a graceful stop puts
     the document on disk; the next replica on the same directory restores it."""
     doc = grpc_request({"prompt": DOC[:2400]}, max_tokens=8)
     engine = {"num_blocks": 256, "disk_kv_bytes": 256 << 20, "kv_cache_dir": str(tmp_path / "kv")}
-    server = {**server, "model_dir": model_dir}
+    server = {**serve_cluster, "model_dir": model_dir}
     with deployed(server, "pagoda-drain", "/drain", engine=engine) as app:
         first = answer(app, doc)
         assert not list((tmp_path / "kv").glob("*.page"))

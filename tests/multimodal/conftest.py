@@ -1,5 +1,6 @@
 """Multimodal checkpoints written once per session (tests/multimodal/models.py) and HF's answers
-for them: HF's own model class, processor and chat template on the same directory."""
+for them: HF's own model class, processor and chat template on the same directory (the answers
+kept on disk like the text oracle's, tests/hf_reference.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf_reference import Reference
+from tests.hf_reference import Reference, kept_on_disk
 from tests.multimodal import models
 
 MAX_TOKENS = 16  # of every greedy answer compared with HF's
@@ -41,8 +42,14 @@ class Checkpoints:
             import transformers
 
             _, class_name, conversations = FAMILIES[family]
-            oracle = HFMultimodalOracle(getattr(transformers, class_name), self.dir(family))
-            self._references[family] = {name: oracle.greedy(c, MAX_TOKENS) for name, c in conversations().items()}
+            asked = conversations()
+
+            def compute() -> list[Reference]:
+                oracle = HFMultimodalOracle(getattr(transformers, class_name), self.dir(family))
+                return [oracle.greedy(c, MAX_TOKENS) for c in asked.values()]
+
+            answers = kept_on_disk(self.dir(family), [class_name, list(asked.items()), MAX_TOKENS], compute)
+            self._references[family] = dict(zip(asked, answers))
         return self._references[family]
 
 

@@ -32,9 +32,9 @@ MAX_MEDIA_BYTES = 64 << 10
 
 
 @pytest.fixture(scope="module", params=["colocated", "deployment"])
-def llava_app(request, server, llava_dir):
+def llava_app(request, serve_cluster, llava_dir):
     placement = request.param
-    with deployed({**server, "model_dir": llava_dir}, f"llava-{placement}", f"/llava-{placement}",
+    with deployed({**serve_cluster, "model_dir": llava_dir}, f"llava-{placement}", f"/llava-{placement}",
                   engine={"encoder": placement}, limits={"max_media_items": 3, "max_media_bytes": MAX_MEDIA_BYTES},
                   encoder_server={"ray_actor_options": {"num_cpus": 0}}) as app:
         yield {**app, "placement": placement}
@@ -87,13 +87,13 @@ def test_same_image_is_encoded_once_and_hits_the_prefix_cache(llava_app):
     assert encoder_after["cache_hits"] - encoder_before["cache_hits"] == 1
 
 
-def test_media_metrics_are_exported(llava_app, server):
+def test_media_metrics_are_exported(llava_app, serve_cluster):
     for _ in range(2):  # a miss, then a hit: each counter has something to export, whatever ran before
         generate(llava_app, image_conversations()["one image"])
     placement = f'placement="{llava_app["placement"]}"'
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        text = requests.get(server["metrics"], timeout=30).text
+        text = requests.get(serve_cluster["metrics"], timeout=30).text
         lines = [line for line in text.splitlines() if line.startswith("ray_pagoda_")]
         wanted = [any(line.startswith(name) and placement in line for line in lines)
                   for name in ("ray_pagoda_encoder_latency_seconds_count", "ray_pagoda_encoder_cache_hits_total",
@@ -167,9 +167,9 @@ def test_openai_image_url_data_urls(llava_app, llava_dir, llava_references):
 
 
 @pytest.mark.parametrize("family", ["llava_next", "qwen2_audio"])
-def test_other_families_over_grpc_with_the_encoder_deployment(server, checkpoints, family):
+def test_other_families_over_grpc_with_the_encoder_deployment(serve_cluster, checkpoints, family):
     references = checkpoints.references(family)
-    with deployed({**server, "model_dir": checkpoints.dir(family)}, family, f"/{family}",
+    with deployed({**serve_cluster, "model_dir": checkpoints.dir(family)}, family, f"/{family}",
                   engine={"encoder": "deployment"}, limits={"max_audio_seconds": 2},
                   encoder_server={"ray_actor_options": {"num_cpus": 0}}) as app:
         answers = [generate(app, c) for c in FAMILIES[family][2]().values()]
