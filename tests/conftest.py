@@ -14,6 +14,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # files (/tmp/ray/session_latest/logs) instead of being shipped to, and printed by, every pytest
 # worker: CPU the tests share, and lines that interleave with pytest's own output.
 os.environ.setdefault("RAY_LOG_TO_DRIVER", "0")
+# Ray runs its workers (the replicas, the engines) at nice 15, below everything else on the host:
+# beside a build at nice 0 they got almost no CPU (a load of 41 on 2 cores) and a drain's short
+# streams missed their 15 s. The clusters the tests start run them at the tests' own priority, so
+# that a verdict does not depend on what else the host runs.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 # Ctrl-C as a terminal gives it: a shell that starts the suite in the background (`make test &`, a
 # CI runner's script) leaves SIGINT ignored, every process the tests start inherits that, and

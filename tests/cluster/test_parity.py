@@ -25,6 +25,9 @@ def test_concurrent_greedy_matches_hf(llm, encoded, references):
     check_all([o.outputs[0].token_ids for o in llm.generate(encoded, GREEDY)], references)
 
 
+# A group of its own (the module's fixtures are all the session's): one of the module's two longest
+# tests runs beside the other, on the other pytest worker.
+@pytest.mark.xdist_group("parity-small-chunks")
 def test_small_prefill_chunks_match_hf(model_dir, encoded, references):
     # 48-token chunks take ~50 steps per 2.3K-token document: one of them crosses enough boundaries
     chosen = without_long_twins()
