@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -58,8 +59,6 @@ def kept_on_disk(model_dir: str, question: list, compute: Callable[[], list[Refe
     the disk cache, or `compute()`d and kept. The key holds the weights' fingerprint, the
     directory's other files (config, tokenizer, processor, template) and the versions of
     transformers and torch."""
-    from pathlib import Path
-
     import transformers
 
     from cluster.model_fetch import pagoda_home

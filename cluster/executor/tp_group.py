@@ -15,6 +15,7 @@ generators, so seeded sampling goes on exactly as with one process.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -212,9 +213,11 @@ def _get_all(refs: list, timeout_s: float | None = None) -> list:
     from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
     pending = list(refs)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not done:
                 raise GetTimeoutError(f"{len(pending)} of {len(refs)} ranks did not answer within {timeout_s} s")
             ray.get(done)  # raises the rank's error
