@@ -5,7 +5,7 @@ step on every rank (each layer's all-reduce needs all of them) and returns rank 
 The all-reduce: NCCL on CUDA. On CPU, with every rank on one host, deepspeed.comm's shared-memory
 all-reduce (benchmarks/allreduce.py, 2 cores, 576-wide rows: 5 us for 1 row and 18 us for 32,
 against gloo's 736 us and 677 us over loopback TCP; two all-reduces a layer make gloo cost ~50 ms a step);
-gloo when ranks span hosts or deepspeed is missing. deepspeed compiles its op once (~25 s).
+gloo when ranks span hosts or deepspeed is missing. deepspeed's op is compiled once per host (~80 s on 2 cores).
 
 Sampling happens on rank 0 with copies of the engine's per-request generators (they travel
 pickled); rank 0 sends their advanced states back and they are written into the engine's own
@@ -25,7 +25,7 @@ import torch
 from cluster.engine.errors import WorkerLostError
 from cluster.ports import free_port
 from model.config import ModelConfig
-from model.extension_lock import sole_loader
+from model.cpp_extensions import host_key, load_extension
 from cluster.engine.executor import StepOutput
 from model.runner import ModelRunner, kv_bytes_per_block
 from model.tp_layout import head_shard
@@ -184,11 +184,7 @@ def _join_group(rank: int, tp_size: int, init_method: str, device: str, shared_m
             # group here) and is used only when LOCAL_SIZE says every rank is on this host.
             host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
             os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, LOCAL_SIZE=str(tp_size), LOCAL_RANK=str(rank))
-            from deepspeed.comm.torch import build_shm_op
-            from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-            with sole_loader(ShareMemCommBuilder.NAME):  # built or loaded here, not wedged by a dead builder's lock
-                build_shm_op()
+            _load_shm_op()
             deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method=init_method,
                                        rank=rank, world_size=tp_size)
             # Every rank has mapped every rank's segment once all are initialized; the names can
@@ -204,6 +200,18 @@ def _join_group(rank: int, tp_size: int, init_method: str, device: str, shared_m
             return "deepspeed-shm", shm_all_reduce
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=tp_size)
     return "gloo", torch_all_reduce
+
+
+def _load_shm_op() -> None:
+    """deepspeed's shared-memory op, built once per host (model/cpp_extensions.py) and handed to
+    deepspeed's own cache of loaded ops, where its communication backend looks first."""
+    import deepspeed
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    builder = ShareMemCommBuilder()
+    key = f"deepspeed {deepspeed.__version__}; {host_key()}"
+    OpBuilder._loaded_ops[builder.NAME] = load_extension(builder.NAME, key, lambda: builder.jit_load(verbose=False))
 
 
 def _get_all(refs: list, timeout_s: float | None = None) -> list:
