@@ -120,10 +120,41 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, metrics_p
         return False
     # A new local cluster ("local": never attach to another one found on this machine), bound to
     # loopback, without the dashboard (~0.9 GB less memory).
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             _metrics_export_port=metrics_port,  # Prometheus scrapes Pagoda's metrics here
-             runtime_env=local_runtime_env("127.0.0.1"))
+    start_local_ray(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                    _metrics_export_port=metrics_port,  # Prometheus scrapes Pagoda's metrics here
+                    runtime_env=local_runtime_env("127.0.0.1"))
     return True
+
+
+LOCAL_STARTS = 3
+NODE_STARTUP_TIMEOUT = "The current node timed out during startup"
+
+
+def start_local_ray(**init_options) -> None:
+    """ray.init of a new local cluster, started again where its node died starting. On a busy
+    host Ray's dashboard agent can take longer than the raylet's fixed 30 s wait for its ports
+    (Ray 2.60: the raylet aborts, "Timed out waiting for file .../metrics_agent_port_..."), and
+    ray.init then fails with NODE_STARTUP_TIMEOUT; the processes of that attempt are stopped."""
+    import psutil
+    import ray
+
+    for attempt in range(1, LOCAL_STARTS + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(address="local", **init_options)
+            return
+        except Exception as error:  # noqa: BLE001 - ray.init raises a bare Exception for this
+            if NODE_STARTUP_TIMEOUT not in str(error) or attempt == LOCAL_STARTS:
+                raise
+            logger.warning("Ray's local node died starting (a busy host?); starting it again (%d of %d)",
+                           attempt + 1, LOCAL_STARTS)
+        ray.shutdown()
+        for process in psutil.Process().children(recursive=True):
+            if process.pid not in before:
+                try:
+                    process.kill()
+                except psutil.NoSuchProcess:
+                    pass
 
 
 def start_serve(http_port: int, grpc_port: int) -> None:
