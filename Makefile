@@ -9,14 +9,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install model serve demo test test-fast bench clean
 
+# Where pip finds wheels besides its index (on CPU hosts, the local CPU torch wheel): uv looks there too
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	# The constraint keeps the local CPU torch wheel; on GPU machines run: pip install -e '.[test]'
 	# DS_BUILD_OPS=0: deepspeed compiles the one op Pagoda uses (CPU shared-memory all-reduce) on first use
-	# Compiled at install (pip's default), not skipped: where PYTHONDONTWRITEBYTECODE is set (this
-	# machine) every process would compile each module it imports, and Ray starts many processes
-	DS_BUILD_OPS=0 PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q -e '.[test]'
+	# Compiled at install, not skipped: where PYTHONDONTWRITEBYTECODE is set (this machine) every
+	# process would compile each module it imports, and Ray starts many processes
+	# uv installs the same packages as pip in less time (docs/benchmarks.md, "The test suite"); pip
+	# does it wherever uv cannot be had or fails
+	( $(BIN)/pip install -q uv && DS_BUILD_OPS=0 $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode \
+	    -c constraints.txt $(foreach links,$(FIND_LINKS),--find-links $(links)) -e '.[test]' ) || \
+	( $(BIN)/pip install -q --upgrade pip && DS_BUILD_OPS=0 PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q -e '.[test]' )
 	# Pagoda's CPU kernels (model/csrc), built for this CPU; without a compiler torch's paths run
 	$(BIN)/python -m model.cpu_ops || echo "Pagoda's CPU kernels did not build: the model runs on torch's paths"
 	touch $(STAMP)

@@ -52,9 +52,10 @@ class OpenAIRequest:
     tools: list[dict] | None = None  # offered to the model: its answer may be parsed into tool_calls
 
 
-def _inputs(raw: Request, body, prompt, messages, params) -> GenerateInputs:
+def _inputs(raw: Request, body, prompt, messages, params, template_tools: list[dict] | None = None) -> GenerateInputs:
     return GenerateInputs(prompt, messages, params, request_id=body.request_id or raw.headers.get("x-request-id"),
-                          cache_salt=body.cache_salt or None, timeout=raw.headers.get(TIMEOUT_HEADER), model=body.model)
+                          cache_salt=body.cache_salt or None, timeout=raw.headers.get(TIMEOUT_HEADER), model=body.model,
+                          template_tools=template_tools)
 
 
 def error_response(error: WireError) -> JSONResponse:
@@ -103,9 +104,8 @@ class OpenAIService:
             if request.stream:
                 raise InvalidRequestError("stream", "answers that may be tool calls are sent whole; send stream: false")
             messages, template_tools = offer_tools(messages, tools, model.template_knows_tools)
-            inputs = _inputs(raw, request, None, messages, params)
-            inputs.template_tools = template_tools
-            return OpenAIRequest(request, inputs, request.logprobs, tools)
+            return OpenAIRequest(request, _inputs(raw, request, None, messages, params, template_tools),
+                                 request.logprobs, tools)
 
         return await self._answer(tenant, read, ChatResponseBuilder)
 

@@ -313,6 +313,8 @@ class RequestPipeline:
 
     def stop(self) -> None:
         self.cancellations.stop()
+        if self._model is not None:
+            self._model.close()
 
 
 def refuse(admission: Admission) -> None:

@@ -65,6 +65,9 @@ class ServedModel:
     def decode_token(self, token_id: int) -> str:
         return self.prompts.tokenizer.decode([token_id])
 
+    def close(self) -> None:
+        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
 
 def refuse_media(messages: list[dict] | None) -> None:
     """A text-only model: an image or audio part is refused, naming it."""

@@ -62,3 +62,20 @@ def test_a_request_that_fails_before_its_first_token_is_counted_out_once(ingress
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
     assert refused.status_code == 400, refused.text
     assert pipeline.num_in_flight == 0 and pipeline.num_pending_requests == 0
+
+
+def test_a_stopped_served_model_ends_its_tokenizer_thread():
+    """The pipeline's stop (a replica's end) ends the thread that tokenizes its prompts: an
+    Ingress made and dropped in one process (in-process ingresses, tests) leaves none behind."""
+    import concurrent.futures
+    import threading
+
+    from cluster.serve.served_model import ServedModel
+
+    thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+    model = ServedModel("m", {}, None, None, None, False, thread)
+    worker = thread.submit(threading.current_thread).result()
+    assert worker.is_alive()
+    model.close()
+    worker.join(10)
+    assert not worker.is_alive()

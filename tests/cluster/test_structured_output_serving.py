@@ -1,5 +1,5 @@
-"""Structured output and tool calls served, with the official openai client: 100 requests under a
-JSON schema all parse and validate, a tool call round trip, the same over gRPC, and a schema that
+"""Structured output and tool calls served, with the official openai client: 32 concurrent requests
+under a JSON schema all parse and validate, a tool call round trip, the same over gRPC, and a schema that
 cannot compile is 400 / INVALID_ARGUMENT naming the field. The client talks to the Ingress with its
 engine in this process (tests/in_process_ingress.py), the pipeline and adapters a replica runs:
 what is asserted here is the front's and the engine's, not Ray's."""
@@ -19,8 +19,7 @@ from protos import inference_pb2 as pb
 from tests.cluster.test_structured_output import PERSON
 from tests.in_process_ingress import GrpcError
 
-# Nested object, enums, an array, a bounded integer and a boolean, in ~30 tokens: 100 of them fit the
-# suite's time.
+# Nested object, enums, an array, a bounded integer and a boolean, in ~30 tokens.
 ANIMAL = {
     "type": "object", "additionalProperties": False, "required": ["animal", "size", "tags", "friendly"],
     "properties": {
@@ -51,7 +50,9 @@ def served(ingress):
     return {"model": ingress.http.get("/v1/models").json()["data"][0]["id"]}
 
 
-def test_a_hundred_requests_under_a_schema_all_validate(client, served):
+def test_concurrent_requests_under_a_schema_all_validate(client, served):
+    """Two full batches of 16, sampled: every answer parses and validates (a benchmark's hundreds
+    would assert nothing more: 100 took 97 s of the suite)."""
     schema_format = {"type": "json_schema", "json_schema": {"name": "animal", "schema": ANIMAL, "strict": True}}
 
     def ask(i: int) -> str:
@@ -62,7 +63,7 @@ def test_a_hundred_requests_under_a_schema_all_validate(client, served):
         return answer.choices[0].message.content
 
     with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(ask, range(100)))
+        answers = list(pool.map(ask, range(32)))
     for text in answers:
         jsonschema.validate(json.loads(text), ANIMAL)
     assert len(set(answers)) > 20  # sampled, seeded apart
