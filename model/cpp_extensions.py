@@ -3,7 +3,7 @@ loaded in well under a second after that, and never wedged by a killed builder.
 
 Built once: torch's JIT loader (torch.utils.cpp_extension.load) runs ninja on every load, and ninja
 compiles again whenever a source or any torch header is newer than its object, which every fresh
-virtualenv makes them (~35 s of Pagoda's kernels and ~80 s of deepspeed's op on 2 cores, each
+virtualenv makes them (~35 s of Pagoda's kernels and 50-80 s of deepspeed's op on 2 cores, each
 fresh clone). `load_extension` imports the library it built before when the build's key (sources,
 torch, CPU) is the same, and runs the builder only when it is not.
 

@@ -5,7 +5,7 @@ step on every rank (each layer's all-reduce needs all of them) and returns rank 
 The all-reduce: NCCL on CUDA. On CPU, with every rank on one host, deepspeed.comm's shared-memory
 all-reduce (benchmarks/allreduce.py, 2 cores, 576-wide rows: 5 us for 1 row and 18 us for 32,
 against gloo's 736 us and 677 us over loopback TCP; two all-reduces a layer make gloo cost ~50 ms a step);
-gloo when ranks span hosts or deepspeed is missing. deepspeed's op is compiled once per host (~80 s on 2 cores).
+gloo when ranks span hosts or deepspeed is missing. deepspeed's op is compiled once per host (50-80 s on 2 cores).
 
 Sampling happens on rank 0 with copies of the engine's per-request generators (they travel
 pickled); rank 0 sends their advanced states back and they are written into the engine's own
