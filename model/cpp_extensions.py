@@ -39,14 +39,14 @@ def build_directory(name: str) -> Path:
 @contextmanager
 def sole_loader(name: str):
     """While inside, this process alone among Pagoda's loads extension `name`; a lock file left
-    by a dead builder is gone."""
+    by a dead builder is gone. Yields the extension's build directory."""
     directory = build_directory(name)
     directory.mkdir(parents=True, exist_ok=True)
     fd = os.open(directory / FLOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         (directory / "lock").unlink(missing_ok=True)
-        yield
+        yield directory
     finally:
         os.close(fd)  # releases the flock
 
@@ -58,8 +58,7 @@ def load_extension(name: str, key: str, build: Callable[[], ModuleType]) -> Modu
     """Extension `name`: the library built before under the same `key`, imported from its build
     directory, or else what `build()` (torch's loader) returns, its key then recorded beside it.
     `key` names everything the library depends on besides its name (sources, flags, torch)."""
-    with sole_loader(name):
-        directory = build_directory(name)
+    with sole_loader(name) as directory:
         library, recorded = directory / f"{name}.so", directory / KEY_NAME
         if library.exists() and recorded.exists() and recorded.read_text() == key:
             spec = importlib.util.spec_from_file_location(name, library)
