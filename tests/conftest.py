@@ -44,7 +44,7 @@ REAL_MODEL_FIXTURES = {"model_dir", "tokenizer", "hf_model", "llm", "server", "s
 # only (`make test-fast` is `-m "not ray"`; modules that start Ray or serve a model themselves say
 # `pytestmark = pytest.mark.ray`).
 SERVED_FIXTURES = {"serve_cluster", "server", "stub", "ingress"}
-SESSION_SERVER_FIXTURES = {"server", "stub"}
+SESSION_CLUSTER_FIXTURES = {"serve_cluster", "server", "stub"}
 
 
 def pytest_configure(config):
@@ -65,14 +65,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)  # `pytest -m "not slow"`: the fast tests alone
         if SERVED_FIXTURES & fixtures:
             item.add_marker(pytest.mark.ray)
-        # `make test` runs pytest workers (xdist, --dist loadgroup) that take whole groups: the
-        # tests of the session's server in one, so one server starts for them; a module that
-        # deploys applications of its own on the session's cluster is in the group "served-apps"
-        # (its `pytestmark`), so that its long queue can run beside theirs, on a second server
-        # where the two land on different workers; the other tests go by module, so a module's
-        # fixtures are built once.
+        # `make test` runs pytest workers (xdist, --dist loadgroup) that take whole groups: every
+        # test on the session's Ray cluster (its server's, and those that deploy applications of
+        # their own beside it) in one, so one cluster starts in the run (a second one, idle between
+        # its tests, cost the other worker's tests CPU the whole run); the other tests go by
+        # module, so a module's fixtures are built once.
         if item.get_closest_marker("xdist_group") is None:
-            group = "session-server" if SESSION_SERVER_FIXTURES & fixtures else item.module.__name__
+            group = "session-cluster" if SESSION_CLUSTER_FIXTURES & fixtures else item.module.__name__
             item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return

@@ -11,91 +11,25 @@ metadata select it), deployed for its test and deleted after.
   holds no blocks, and once Serve has replaced the decode replica the next request succeeds.
 """
 
-import json
 import os
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import grpc
 import pytest
 import requests
-from click.testing import CliRunner
 
-from cluster.cli import main as cli
-from protos import inference_pb2 as pb
-from protos import inference_pb2_grpc as pb_grpc
-from tests.conftest import PARITY_MAX_TOKENS
 from tests.hf_reference import check_all
 from tests.parity_prompts import DOC, parity_prompts
+from tests.served_apps import answer, answer_once_replaced, deployed, grpc_request, killed_mid_stream, status
 
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("served-apps")]  # make test only; apps of its own on the session cluster
+pytestmark = pytest.mark.ray  # make test only; apps of its own on the session cluster
 
 # The server-level TP groups use gloo: deepspeed's shared-memory all-reduce busy-waits, and on 2
 # cores shared with another CPU-bound process (Ray runs its workers at nice 15) a waiting rank
 # starves the computing one: the TP=2 parity test ran past pytest's 600 s limit that way, and
 # passes with gloo. test_tensor_parallel_engine covers the shared-memory path.
 TP2 = {"tensor_parallel_size": 2, "tp_collective": "gloo"}
-
-
-@contextmanager
-def deployed(server, name: str, route: str, **args):
-    """One more Pagoda application on the session's cluster, until the block ends."""
-    from ray import serve
-
-    from cluster.serve.app import build_app
-
-    app_args = {"model": server["model_dir"], "torch_threads": 1, "request_timeout_s": 600,
-                "engine": {"num_blocks": 256, **args.pop("engine", {})},
-                "llm_server": {"ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 1},
-                "prefill_server": {"ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 1},
-                **args}
-    serve.run(build_app(app_args), name=name, route_prefix=route, blocking=False)
-    base = f"{server['http']}{route}"
-    wait_healthy(base, timeout_s=300)
-    channel = grpc.insecure_channel(server["grpc"])
-    try:
-        yield {"http": base, "channel": channel, "stub": pb_grpc.InferenceStub(channel), "metadata": (("application", name),),
-               "address": f"{server['http'].removeprefix('http://')}{route}"}
-    finally:
-        channel.close()
-        serve.delete(name)
-        _kill_prefix_trees(name)
-
-
-def _kill_prefix_trees(app_name: str) -> None:
-    """Serve's PrefixCacheAffinityRouter keeps a detached prefix-tree actor per deployment that
-    only serve.shutdown() removes; an app deleted mid-session would leave them behind."""
-    import ray
-
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["name"] == "LlmPrefixTreeActor" and entry["namespace"].startswith(f"serve::{app_name}::"):
-            ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]))
-
-
-def wait_healthy(base: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{base}/health", timeout=30).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{base} did not become healthy in {timeout_s:.0f} s")
-
-
-def grpc_request(prompt: dict, **sampling) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(**{"max_tokens": PARITY_MAX_TOKENS, "temperature": 0, **sampling})
-    if "prompt" in prompt:
-        return pb.GenerateRequest(prompt=prompt["prompt"], sampling=sampling)
-    messages = [pb.Message(role=m["role"], parts=[pb.Part(text=m["content"])]) for m in prompt["messages"]]
-    return pb.GenerateRequest(messages=messages, sampling=sampling)
-
-
-def answer(app, request: pb.GenerateRequest, timeout: float = 300) -> list[int]:
-    return [t for r in app["stub"].Generate(request, metadata=app["metadata"], timeout=timeout) for t in r.token_ids]
 
 
 # What the server adds to the engine is the plumbing (TP groups behind Serve, the KV hand-off between
@@ -111,37 +45,6 @@ def parity_answers(app) -> list[list[int]]:
         return list(pool.map(lambda i: answer(app, grpc_request(prompts[i])), SERVER_PARITY))
 
 
-def killed_mid_stream(app, request: pb.GenerateRequest, pid: int, num_tokens: int) -> grpc.RpcError:
-    """Starts `request`'s stream, SIGKILLs process `pid` once two messages have come, and returns
-    the error that ends the stream, checked to come before all `num_tokens` and well before the
-    call's own 120 s deadline (a hung stream ends there; beside a build the error took 5.6 s)."""
-    stream = app["stub"].Generate(request, metadata=app["metadata"], timeout=120)
-    received = len(next(stream).token_ids) + len(next(stream).token_ids)  # streaming has begun
-    os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    with pytest.raises(grpc.RpcError) as failure:
-        for response in stream:
-            received += len(response.token_ids)
-    assert time.monotonic() - killed_at < 60.0
-    assert received < num_tokens
-    return failure.value
-
-
-def answer_once_replaced(app, request: pb.GenerateRequest, timeout_s: float = 240) -> tuple[list[int], list[str]]:
-    """Sends `request` until a replica Serve started in place of a killed one answers it: the
-    answer's tokens and the refusals before it, each checked to be UNAVAILABLE."""
-    deadline = time.monotonic() + timeout_s
-    refusals = []
-    while True:
-        try:
-            return answer(app, request, timeout=60), refusals
-        except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()  # never anything else
-            refusals.append(e.details())
-            assert time.monotonic() < deadline, "Serve did not replace the killed replica"
-            time.sleep(0.5)
-
-
 def grpc_health(app) -> str:
     """grpc.health.v1's answer for this application (its name in the metadata, as for any call)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -149,12 +52,6 @@ def grpc_health(app) -> str:
     health = health_pb2_grpc.HealthStub(app["channel"])
     response = health.Check(health_pb2.HealthCheckRequest(), metadata=app["metadata"], timeout=30)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-
-
-def status(app) -> dict:
-    result = CliRunner().invoke(cli, ["status", "--json", "--http", app["address"]])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
 
 
 def all_blocks_free(group: dict) -> bool:

@@ -19,7 +19,7 @@ from cluster.serve.app import build_app, max_pending_requests, parse_app_config
 from cluster.serve.autoscaling import POLICY_FUNCTION
 from cluster.serve.in_process import InProcess, LocalHandle
 from cluster.serve.placement import app_demands
-from tests.cluster.test_disaggregated_serving import deployed
+from tests.served_apps import deployed
 from tests.parity_prompts import CHAT_QUESTIONS
 from tests.cluster.test_serving import GREEDY, chat_request, collect, engine_stats, wait_idle
 from tests.cluster.test_serving import offline_answers  # noqa: F401 - a fixture

@@ -18,6 +18,10 @@ from tests.model.test_kv_transfer import run_to_end
 from tests.parity_prompts import DOC, DOC_B
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
+# Device memory of 24 blocks of 16 tokens: one 300-token prompt (two prefill chunks of at most 256)
+# fits, and two others need every block it held. The prompts' length is the tests' cost: each is
+# prefilled several times.
+BLOCKS, PROMPT_TOKENS = 24, 300
 
 
 def answer(engine: LLMEngine, request_id: str, prompt: list[int]) -> list[int]:
@@ -30,16 +34,15 @@ def answer(engine: LLMEngine, request_id: str, prompt: list[int]) -> list[int]:
 
 
 def small_engine(model_dir, tmp_path, host=True, disk=True) -> LLMEngine:
-    # 48 blocks of 16 tokens: one 600-token prompt fits, a second one evicts the first's blocks
-    return build_engine(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
+    return build_engine(EngineConfig(model=model_dir, num_blocks=BLOCKS, max_num_batched_tokens=256,
                                   host_kv_bytes=(64 << 20) if host else 0, disk_kv_bytes=(256 << 20) if disk else 0,
                                   kv_cache_dir=str(tmp_path / "kv")))
 
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    doc = tokenizer(DOC[:2400] + "\nSummarize the text above:").input_ids[-600:]
-    others = [tokenizer(DOC_B[:2400]).input_ids[:600], tokenizer(DOC_B[3000:5400]).input_ids[:600]]
+    doc = tokenizer(DOC[:2400] + "\nSummarize the text above:").input_ids[-PROMPT_TOKENS:]
+    others = [tokenizer(DOC_B[:2400]).input_ids[:PROMPT_TOKENS], tokenizer(DOC_B[3000:5400]).input_ids[:PROMPT_TOKENS]]
     return doc, others
 
 
@@ -136,8 +139,8 @@ def chat_prompts(tokenizer):
     def chat(text):
         return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
 
-    doc = chat(DOC[:2000] + "\nSummarize the text above.")[:600]
-    return doc, [chat(DOC_B[:2200])[:600], chat(DOC_B[3000:5200])[:600]]
+    doc = chat(DOC[:2000] + "\nSummarize the text above.")[:PROMPT_TOKENS]
+    return doc, [chat(DOC_B[:2200])[:PROMPT_TOKENS], chat(DOC_B[3000:5200])[:PROMPT_TOKENS]]
 
 
 def test_a_chat_document_comes_back_whole_after_a_crash(model_dir, tmp_path, chat_prompts):
@@ -195,7 +198,7 @@ def test_two_engines_share_the_cache_service(server, model_dir, prompts, cold):
     and evicted on one is restored on the other, with the cold run's answer."""
     import ray
 
-    config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
+    config = dict(model=model_dir, num_blocks=BLOCKS, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
                   kv_cache_service_shards=2)
     first, second = build_engine(EngineConfig(**config)), build_engine(EngineConfig(**config))
     shared = first.kv_connector.offload.tiers[0]
@@ -217,7 +220,7 @@ def test_a_second_engine_restores_a_chat_document_from_the_cache_service(server,
     engine over the same CacheService restores every block of it."""
     import ray
 
-    config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
+    config = dict(model=model_dir, num_blocks=BLOCKS, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
                   kv_cache_service_shards=2)
     first, second = build_engine(EngineConfig(**config)), build_engine(EngineConfig(**config))
     shared = first.kv_connector.offload.tiers[0]
@@ -235,7 +238,7 @@ def test_a_second_engine_restores_a_chat_document_from_the_cache_service(server,
 
 def test_an_unwritable_disk_tier_degrades_to_recompute(model_dir, prompts, cold, caplog):
     """A disk tier that cannot be written turns itself off; requests still get the same answer."""
-    engine = build_engine(EngineConfig(model=model_dir, num_blocks=48, max_num_batched_tokens=256,
+    engine = build_engine(EngineConfig(model=model_dir, num_blocks=BLOCKS, max_num_batched_tokens=256,
                                     disk_kv_bytes=64 << 20, kv_cache_dir="/proc/pagoda-cannot-write-here"))
     assert answer(engine, "first", prompts[0]) == cold
     evict(engine, prompts)
@@ -248,7 +251,7 @@ def test_an_unwritable_disk_tier_degrades_to_recompute(model_dir, prompts, cold,
 def test_write_through_survives_a_crash_without_any_eviction(model_dir, tmp_path, prompts, cold):
     """kv_write_through: every block goes down once computed, so an engine that dies with the
     document still in device memory (nothing evicted) leaves it on disk for the next one."""
-    config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
+    config = dict(model=model_dir, num_blocks=BLOCKS, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
                   kv_cache_dir=str(tmp_path / "kv"), kv_write_through=True)
     engine = build_engine(EngineConfig(**config))
     assert answer(engine, "first", prompts[0]) == cold
@@ -266,7 +269,7 @@ def test_write_through_survives_a_crash_without_any_eviction(model_dir, tmp_path
 def test_a_tp2_engine_spills_and_restores_pages_that_a_tp1_engine_can_use(server, model_dir, tmp_path, prompts, cold):
     """A TP=2 group's pages hold every KV head (joined from its ranks), so it restores its own
     and a TP=1 engine on the same directory restores them too, each with the cold run's answer."""
-    config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
+    config = dict(model=model_dir, num_blocks=BLOCKS, max_num_batched_tokens=256, disk_kv_bytes=256 << 20,
                   kv_cache_dir=str(tmp_path / "kv"))
     tp2 = build_engine(EngineConfig(**config, tensor_parallel_size=2, tp_collective="gloo"))  # see TP2 in test_disaggregated_serving
     try:
@@ -300,7 +303,7 @@ def test_a_dead_cache_service_shard_is_a_miss_not_an_error(server, model_dir, pr
     the answer stays the cold run's, and the shard is started again and used from then on."""
     import ray
 
-    config = dict(model=model_dir, num_blocks=48, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
+    config = dict(model=model_dir, num_blocks=BLOCKS, max_num_batched_tokens=256, host_kv_bytes=64 << 20,
                   kv_cache_service_shards=2)
     engine = build_engine(EngineConfig(**config))
     shared = engine.kv_connector.offload.tiers[0]

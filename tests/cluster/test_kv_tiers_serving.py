@@ -5,11 +5,11 @@ the tiers."""
 
 import pytest
 
-from tests.cluster.test_disaggregated_serving import answer, deployed, grpc_request, status
+from tests.served_apps import answer, deployed, grpc_request, status
 from tests.cluster.test_serving import scrape_until
 from tests.parity_prompts import DOC, DOC_B
 
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("served-apps")]  # make test only; apps of its own on the session cluster
+pytestmark = pytest.mark.ray  # make test only; apps of its own on the session cluster
 
 
 def test_an_evicted_document_comes_back_from_the_cache_service_on_either_replica(serve_cluster, model_dir):

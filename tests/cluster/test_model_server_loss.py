@@ -8,8 +8,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tests.cluster.test_disaggregated_serving import (answer_once_replaced, deployed, grpc_request, killed_mid_stream,
-                                                      status)
+from tests.served_apps import answer_once_replaced, deployed, grpc_request, killed_mid_stream, status
 
 pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
 

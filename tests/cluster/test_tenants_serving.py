@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from protos import inference_pb2 as pb
-from tests.cluster.test_disaggregated_serving import deployed
+from tests.served_apps import deployed
 from tests.cluster.test_kv_tiers_serving import metric_value
 from tests.cluster.test_tenants_front import (BUDGET_REQUESTS, COST, KEY_A, KEY_B, KEY_METERED, PROMPT, WRONG,
                                               eventually, wait_for_log, write_keys_file)

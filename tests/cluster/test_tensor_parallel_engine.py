@@ -9,7 +9,7 @@ import ray
 
 from cluster import LLM, SamplingParams
 
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("session-server")]  # make test only; on the session cluster, beside its server's tests
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("session-cluster")]  # make test only; on the session cluster, beside its server's tests
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, a small robot"]
 

@@ -21,12 +21,11 @@ import requests
 
 from cluster.serve.grpc_convert import grpc_messages
 from protos import inference_pb2 as pb
-from tests.cluster.test_disaggregated_serving import deployed
 from tests.hf_reference import check_all
 from tests.multimodal.conftest import FAMILIES, MAX_TOKENS
 from tests.multimodal.models import blank_image, image_conversations, png, silence, wav
+from tests.served_apps import deployed
 
-pytestmark = pytest.mark.xdist_group("served-apps")  # apps of its own on the session cluster (tests/conftest.py)
 
 MAX_MEDIA_BYTES = 64 << 10
 
