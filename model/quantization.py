@@ -187,6 +187,21 @@ def choose_dense_from(weight: GroupedWeight, rounds: int = 5) -> int | None:
     return None if chosen == NEVER_DENSE else chosen
 
 
+_dense_from_of_this_process: dict[tuple, int | None] = {}
+
+
+def dense_from_once(weight: GroupedWeight) -> int | None:
+    """choose_dense_from, timed once in a process for each shape and kind of weight: the host does
+    not change between loads, and an engine built again in the same process (the tests, the
+    benchmarks, a restarted engine) spent ~0.3 s timing it each time. Sets it, as the first did."""
+    key = (weight.shape, weight.kind)
+    if key not in _dense_from_of_this_process:
+        _dense_from_of_this_process[key] = choose_dense_from(weight)
+    chosen = _dense_from_of_this_process[key]
+    cpu_ops().set_dense_from(NEVER_DENSE if chosen is None else chosen)
+    return chosen
+
+
 def faster_in_turns(candidate: Callable[[], object], than: Callable[[], object], rounds: int,
                     clock: Callable[[], float] = time.perf_counter) -> bool:
     """Whether `candidate` runs faster than `than`: each warmed once, then timed in turns, and the

@@ -28,7 +28,7 @@ from model.kv_transfer import KVExporter, from_numpy, install, to_numpy, token_s
 from model.llama import LlamaForCausalLM
 from model.loader import dtype_name, load_weights
 from model.multimodal import MultimodalSpec
-from model.quantization import GroupedWeight, check_mode, choose_dense_from
+from model.quantization import GroupedWeight, check_mode, dense_from_once
 from model.sampler import sample
 from model.tp_layout import head_shard
 
@@ -98,7 +98,7 @@ class ModelRunner:
         # ({} without grouped weights; {"dense_from": None}: the group kernel at every size)
         grouped = [m.packed for m in self.model.modules() if isinstance(getattr(m, "packed", None), GroupedWeight)]
         largest = max(grouped, key=lambda w: w.shape[0] * w.shape[1], default=None)
-        self.group_kernel = {} if largest is None else {"dense_from": choose_dense_from(largest)}
+        self.group_kernel = {} if largest is None else {"dense_from": dense_from_once(largest)}
         self.model.eval()
         self.num_blocks = num_blocks or max(1, kv_cache_bytes // self.bytes_per_block)
         # One allocation for all layers: [layers, K/V, blocks, kv_heads, block_size, head_dim]

@@ -18,7 +18,7 @@ from cluster.serve import drain as drain_module
 from cluster.serve import grpc_bind
 from cluster.serve.haproxy_guard import guarded_haproxy, soft_stop_serve_haproxy
 from cluster.serve.app import GRPC_SERVICERS, build_app, check_app_args, max_pending_requests
-from cluster.serve.placement import check_fit, cluster_nodes
+from cluster.serve.placement import check_fit, check_fit_on_new_node, cluster_nodes
 from cluster.serve.front_door import FrontDoor
 
 logger = logging.getLogger("pagoda.launcher")
@@ -73,11 +73,14 @@ def start(
     metrics_port: int | None = None,
 ) -> dict:
     """Deploys and blocks until /health answers; returns {"id": the served model's name}. Ray stays up."""
+    import ray
     from ray import serve
 
     config, prefill_engine, decode_engine = check_app_args(app_args)
     if not config.api_keys_file:
         logger.warning("no API keys (--api-keys / api_keys_file): the server answers anyone who can reach it")
+    if address is None and num_cpus is not None and not ray.is_initialized():
+        check_fit_on_new_node(config, prefill_engine, decode_engine, num_cpus)
     if start_ray(address, num_cpus, metrics_port):
         # This cluster cannot grow: a shape that does not fit it fails now, not after Serve's retries.
         check_fit(config, prefill_engine, decode_engine, cluster_nodes())

@@ -138,6 +138,14 @@ def check_fit(config, prefill_engine: dict | None, decode_engine: dict, nodes: l
         f"ray_actor_options.num_cpus")
 
 
+def check_fit_on_new_node(config, prefill_engine: dict | None, decode_engine: dict, num_cpus: float) -> None:
+    """check_fit on the one node that a local cluster of `num_cpus` logical CPUs will have, before it
+    starts: a shape that cannot fit is refused in a second, not after Ray's start-up. Only for a
+    shape that asks for no GPU (the node's GPUs are Ray's to detect, once it runs)."""
+    if not any(d.total("GPU") for d in app_demands(config, prefill_engine, decode_engine)):
+        check_fit(config, prefill_engine, decode_engine, [{"CPU": float(num_cpus)}])
+
+
 def _fmt(bundle: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k} {v:g}" for k, v in bundle.items()) + "}"
 

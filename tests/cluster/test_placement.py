@@ -3,7 +3,7 @@
 import pytest
 
 from cluster.serve.app import parse_app_config
-from cluster.serve.placement import AppDoesNotFitError, Demand, app_demands, check_fit, unplaced
+from cluster.serve.placement import AppDoesNotFitError, Demand, app_demands, check_fit, check_fit_on_new_node, unplaced
 
 ENGINE = {"model": "m"}
 
@@ -34,6 +34,15 @@ def test_a_shape_that_does_not_fit_is_refused_naming_the_resources_and_the_way_o
     assert "It needs CPU 3 (the cluster has 2)" in message
     assert "--num-cpus N" in message and "fewer TP ranks" in message
     check_fit(*disaggregated(), nodes=[{"CPU": 3.0}])  # fits: no error
+
+
+def test_a_new_local_node_is_checked_before_it_starts_where_no_gpu_is_asked_for():
+    with pytest.raises(AppDoesNotFitError, match="It needs CPU 3"):
+        check_fit_on_new_node(*disaggregated(), num_cpus=2)
+    check_fit_on_new_node(*disaggregated(), num_cpus=3)
+    config = parse_app_config({"llm_server": {"ray_actor_options": {"num_cpus": 8}}})
+    gpu_ranks = {**ENGINE, "tensor_parallel_size": 2, "device": "cuda"}
+    check_fit_on_new_node(config, None, gpu_ranks, num_cpus=2)  # left to the started cluster
 
 
 def test_replicas_autoscaled_start_at_their_initial_count():

@@ -89,6 +89,20 @@ def dense_from():
 
 
 @needs_kernels
+def test_the_dense_from_choice_is_timed_once_a_process_and_set_at_each_load(monkeypatch, dense_from):
+    from model import quantization
+
+    timed = []
+    monkeypatch.setattr(quantization, "_dense_from_of_this_process", {})
+    monkeypatch.setattr(quantization, "choose_dense_from", lambda weight: timed.append(weight.shape) or 512)
+    weight = recover_grouped(q8_0_values(100, 320))
+    assert quantization.dense_from_once(weight) == 512 and cpu_ops().dense_from() == 512
+    dense_from(1)  # what another engine's choice, or a test, left
+    assert quantization.dense_from_once(weight) == 512 and cpu_ops().dense_from() == 512
+    assert timed == [(100, 320)]
+
+
+@needs_kernels
 @pytest.mark.parametrize("values", [q4_1_values, q8_0_values])
 @pytest.mark.parametrize("rows", [127, 128])
 def test_a_weight_larger_than_one_dequantized_chunk_equals_fp32(values, rows, dense_from):
