@@ -80,35 +80,18 @@ def _pack_q4(q: torch.Tensor) -> torch.Tensor:
     return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1).contiguous()
 
 
-def _dequant_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return q * d.float()[..., None] + m.float()[..., None]  # two roundings, as gguf-py and the kernel do
-
-
 def recover_grouped(weight: torch.Tensor, bias: torch.Tensor | None = None,
                     int8_activations: bool = False) -> GroupedWeight | None:
     """The weight as Q4_1 or Q8_0 groups if every one of its values is exactly what those groups
-    dequantize to (a checkpoint dequantized from such a GGUF), else None."""
-    groups = _groups(weight)
-    if groups is None:
+    dequantize to (a checkpoint dequantized from such a GGUF), else None. Pagoda's kernel finds
+    them in one pass (group_recover)."""
+    if weight.dim() != 2 or weight.shape[1] % GROUP:
         return None
-    low, high = groups.amin(-1), groups.amax(-1)
-    # Q4_1: the group's minimum is m (q = 0), its maximum d*15 + m.
-    d = ((high - low) / 15).half()
-    m = low.half()
-    if torch.equal(m.float(), low) and torch.isfinite(d).all():
-        step = d.float()[..., None]
-        q = torch.where(step > 0, torch.round((groups - low[..., None]) / step.clamp(min=1e-30)), 0).clamp(0, 15)
-        if torch.equal(_dequant_q4(q, d, m), groups):
-            return GroupedWeight(_pack_q4(q), d.contiguous(), m.contiguous(), bias, int8_activations)
-    # Q8_0: w = d*q, the largest |q| is 127.
-    d = (groups.abs().amax(-1) / 127).half()
-    if torch.isfinite(d).all():
-        step = d.float()[..., None]
-        q = torch.where(step > 0, torch.round(groups / step.clamp(min=1e-30)), 0).clamp(-127, 127)
-        if torch.equal(q * step, groups):
-            return GroupedWeight(q.to(torch.int8).reshape(weight.shape).contiguous(), d.contiguous(), None, bias,
-                                 int8_activations)
-    return None
+    found = cpu_ops().group_recover(weight.float().contiguous())
+    if not found:
+        return None
+    qweight, d, *m = found
+    return GroupedWeight(qweight, d, m[0] if m else None, bias, int8_activations)
 
 
 def quantize_grouped(weight: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> GroupedWeight:

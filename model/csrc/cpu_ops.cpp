@@ -693,6 +693,108 @@ torch::Tensor group_dequantize(torch::Tensor qweight, torch::Tensor d, torch::Te
 
 namespace {
 
+// One group of 32 values as Q4_1 (q packed two to a byte: byte j holds weights j and j + 16) if
+// they are exactly what those groups dequantize to. d = (max - min) / 15 and m = min in fp16, q by
+// rounding to the nearest (ties to even, as torch.round); checked by the same dequantization the
+// products use.
+bool recover_q4_1(const float* x, uint8_t* q, at::Half* d_out, at::Half* m_out) {
+  float low = x[0], high = x[0];
+  for (int i = 0; i < kGroup; ++i) {
+    if (!std::isfinite(x[i])) return false;
+    low = std::min(low, x[i]);
+    high = std::max(high, x[i]);
+  }
+  const at::Half d_half((high - low) / 15.0f), m_half(low);
+  const float d = static_cast<float>(d_half), m = static_cast<float>(m_half);
+  if (m != low || !std::isfinite(d)) return false;
+  uint8_t nibbles[kGroup];
+  for (int i = 0; i < kGroup; ++i) {
+    const float level = d > 0 ? std::nearbyint((x[i] - low) / d) : 0.0f;
+    nibbles[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, level)));
+  }
+  for (int j = 0; j < kGroup / 2; ++j) q[j] = nibbles[j] | (nibbles[j + kGroup / 2] << 4);
+  alignas(64) float back[kGroup];
+  dequant_q4_1(q, d, m, back);
+  for (int i = 0; i < kGroup; ++i) {
+    if (back[i] != x[i]) return false;
+  }
+  *d_out = d_half;
+  *m_out = m_half;
+  return true;
+}
+
+// The same as Q8_0: d = max |x| / 127 in fp16, q in -127..127.
+bool recover_q8_0(const float* x, int8_t* q, at::Half* d_out) {
+  float largest = 0;
+  for (int i = 0; i < kGroup; ++i) {
+    if (!std::isfinite(x[i])) return false;
+    largest = std::max(largest, std::fabs(x[i]));
+  }
+  const at::Half d_half(largest / 127.0f);
+  const float d = static_cast<float>(d_half);
+  if (!std::isfinite(d)) return false;
+  for (int i = 0; i < kGroup; ++i) {
+    const float level = d > 0 ? std::nearbyint(x[i] / d) : 0.0f;
+    q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, level)));
+  }
+  alignas(64) float back[kGroup];
+  dequant_q8_0(q, d, back);
+  for (int i = 0; i < kGroup; ++i) {
+    if (back[i] != x[i]) return false;
+  }
+  *d_out = d_half;
+  return true;
+}
+
+// Every group of the [N, K] weight through recover(group index, values); false once one fails.
+template <typename Recover>
+bool recover_all_groups(const float* x, int64_t groups, Recover recover) {
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, groups, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end && ok.load(std::memory_order_relaxed); ++g) {
+      if (!recover(g, x + g * kGroup)) ok.store(false, std::memory_order_relaxed);
+    }
+  });
+  return ok.load();
+}
+
+}  // namespace
+
+// A float32 weight [N, K] (K a multiple of 32) as GGUF groups when every value is exactly what they
+// dequantize to (a checkpoint dequantized from such a GGUF): [qweight, d, m] for Q4_1, [qweight, d]
+// for Q8_0 (tried where Q4_1 does not hold), none where neither does. One pass over the weight,
+// where torch's ops took ten (~1.7 s of CPU for the default model's every load).
+std::vector<torch::Tensor> group_recover(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
+              "group_recover takes a contiguous float32 matrix");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % kGroup == 0, "group_recover needs input features divisible by 32, got ", K);
+  const int64_t groups = N * (K / kGroup);
+  const float* x = weight.data_ptr<float>();
+  auto d = torch::empty({N, K / kGroup}, torch::kFloat16);
+  at::Half* d_ptr = d.data_ptr<at::Half>();
+
+  auto q4 = torch::empty({N, K / 2}, torch::kUInt8);
+  auto m = torch::empty({N, K / kGroup}, torch::kFloat16);
+  uint8_t* q4_ptr = q4.data_ptr<uint8_t>();
+  at::Half* m_ptr = m.data_ptr<at::Half>();
+  if (recover_all_groups(x, groups, [&](int64_t g, const float* values) {
+        return recover_q4_1(values, q4_ptr + g * (kGroup / 2), d_ptr + g, m_ptr + g);
+      })) {
+    return {q4, d, m};
+  }
+  auto q8 = torch::empty({N, K}, torch::kInt8);
+  int8_t* q8_ptr = q8.data_ptr<int8_t>();
+  if (recover_all_groups(x, groups, [&](int64_t g, const float* values) {
+        return recover_q8_0(values, q8_ptr + g * kGroup, d_ptr + g);
+      })) {
+    return {q8, d};
+  }
+  return {};
+}
+
+namespace {
+
 template <typename T>
 inline v8f load_kv8(const T* p);
 
@@ -1167,6 +1269,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panels_for", &panels_for, "whether group_linear multiplies this many rows of x in panels here");
   m.def("amx_tiles", &amx_tiles, "whether group_linear multiplies on AMX tiles on this host");
   m.def("group_dequantize", &group_dequantize, "a grouped weight as float32", no_gil);
+  m.def("group_recover", &group_recover, "a float32 weight as the GGUF groups it holds exactly, if any", no_gil);
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache, read in place", no_gil);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor>())

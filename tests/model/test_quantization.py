@@ -50,6 +50,13 @@ def test_a_weight_that_is_not_grouped_stays_dense():
     assert recover_grouped(weight) is None
     assert recover_grouped(torch.randn(8, 64)) is None
     assert recover_grouped(torch.randn(8, 40)) is None  # not a multiple of 32
+    weight = q8_0_values(8, 64)
+    weight[7, 63] += 1e-4  # the last group's last value
+    assert recover_grouped(weight) is None
+    for bad in (float("inf"), float("nan")):
+        weight = q4_1_values(8, 64)
+        weight[0, 0] = bad
+        assert recover_grouped(weight) is None
 
 
 @needs_kernels
