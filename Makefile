@@ -46,7 +46,7 @@ test: model
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30 tests
 
 test-fast: model
-	PAGODA_TEST_FAST=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10 -m "not ray" tests
+	PAGODA_TEST_FAST=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 -m "not ray" tests
 
 bench: model
 	$(BIN)/python -m benchmarks.offline_throughput

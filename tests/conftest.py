@@ -87,11 +87,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def longest_groups_first(items: list, starts_its_own: set[str]) -> list:
-    """The order in which the pytest workers take the groups (`make test` says
-    --no-loadscope-reorder; a worker takes the next group as it runs out): the session cluster's
+    """The order in which the pytest workers take the groups where `make test` says
+    --no-loadscope-reorder (a worker takes the next group as it runs out): the session cluster's
     first, then the groups that start Ray clusters or servers of their own (few tests, minutes
-    each), then the others, most tests first. Ordered by count alone, those few-test groups went
-    last, and one ran on one worker for a minute or two after the other had finished."""
+    each), then the others, most tests first. Ordered by count alone (xdist's default, which
+    `make test-fast` keeps: none of its groups starts a cluster), those few-test groups went last,
+    and one ran on one worker for a minute or two after the other had finished."""
     groups: dict[str, list] = {}
     for item in items:
         groups.setdefault(item.get_closest_marker("xdist_group").args[0], []).append(item)
