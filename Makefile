@@ -43,7 +43,7 @@ demo: model
 TEST_WORKERS ?= 2
 
 test: model
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30 tests
 
 test-fast: model
 	PAGODA_TEST_FAST=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 -m "not ray" tests

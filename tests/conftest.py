@@ -59,10 +59,8 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups set here
 def pytest_collection_modifyitems(config, items):
-    starts_its_own = set()  # groups with a test marked `ray` itself: it starts a cluster or server of its own
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        own_cluster = item.get_closest_marker("ray") is not None
         if REAL_MODEL_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)  # `pytest -m "not slow"`: the fast tests alone
         if SERVED_FIXTURES & fixtures:
@@ -75,32 +73,12 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("xdist_group") is None:
             group = "session-cluster" if SESSION_CLUSTER_FIXTURES & fixtures else item.module.__name__
             item.add_marker(pytest.mark.xdist_group(group))
-        if own_cluster:
-            starts_its_own.add(item.get_closest_marker("xdist_group").args[0])
-    items[:] = longest_groups_first(items, starts_its_own)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def longest_groups_first(items: list, starts_its_own: set[str]) -> list:
-    """The order in which the pytest workers take the groups where `make test` says
-    --no-loadscope-reorder (a worker takes the next group as it runs out): the session cluster's
-    first, then the groups that start Ray clusters or servers of their own (few tests, minutes
-    each), then the others, most tests first. Ordered by count alone (xdist's default, which
-    `make test-fast` keeps: none of its groups starts a cluster), those few-test groups went last,
-    and one ran on one worker for a minute or two after the other had finished."""
-    groups: dict[str, list] = {}
-    for item in items:
-        groups.setdefault(item.get_closest_marker("xdist_group").args[0], []).append(item)
-
-    def rank(group: str) -> tuple:
-        return group != "session-cluster", group not in starts_its_own, -len(groups[group])
-
-    return [item for group in sorted(groups, key=rank) for item in groups[group]]
 
 
 @pytest.hookimpl(optionalhook=True)
