@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from model.config import QUANTIZATION_MODES
 from model.cpu_ops import cpu_ops
