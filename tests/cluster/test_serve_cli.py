@@ -1,5 +1,7 @@
 """`pagoda serve` (what `make serve` runs) and `serve run serve_config.yaml`, as users run them:
-each starts its own local Ray cluster, answers, and on Ctrl-C leaves no process behind."""
+each starts its own local Ray cluster, answers, and on Ctrl-C leaves no process behind. `pagoda
+serve` twice on the same ports and KV directory, the first SIGKILLed: a chat document it had
+pushed to disk comes back from there."""
 
 import pytest
 import json
@@ -17,6 +19,7 @@ import requests
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
+from tests.parity_prompts import DOC, DOC_B
 
 pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
 
@@ -65,29 +68,80 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None:
     raise TimeoutError(url)
 
 
-def test_pagoda_serve_prints_ready_answers_and_ctrl_c_stops_ray(model_dir, tmp_path):
-    config = tmp_path / "serve.yaml"
-    config.write_text(  # one running and one waiting request fill it
-        "applications:\n  - name: pagoda\n    args:\n      engine: {kv_cache_bytes: 134217728, max_num_seqs: 1}\n"
-        "      max_waiting_requests: 1\n      llm_server: {ray_actor_options: {num_cpus: 0}}\n"
-    )
+HTTP, GRPC = 18200, 19200
+BASE = f"http://127.0.0.1:{HTTP}"
+BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4  # the default model's KV per block (fp32)
+
+
+def pagoda_serve(model_dir, kv_dir: Path, device_blocks: int, *options: str) -> subprocess.Popen:
+    """`pagoda serve` with this many blocks of device KV and a disk tier in kv_dir, once it has
+    printed its ready line."""
     proc = subprocess.Popen(
-        [str(BIN / "pagoda"), "serve", "--model", model_dir, "--config", str(config),
-         "--http-port", "18200", "--grpc-port", "19200", "--num-cpus", "1", "--front-door"],
+        [str(BIN / "pagoda"), "serve", "--model", model_dir, "--http-port", str(HTTP), "--grpc-port", str(GRPC),
+         "--num-cpus", "1", "--device-kv-gb", str(device_blocks * BLOCK_BYTES / (1 << 30)), "--host-kv-gb", "0",
+         "--disk-kv-gb", "1", "--kv-cache-dir", str(kv_dir), *options],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, cwd=ROOT,
     )
+    line = proc.stdout.readline()
+    assert line.strip() == f"pagoda ready grpc=127.0.0.1:{GRPC} http=127.0.0.1:{HTTP} model=SmolLM2-135M-Instruct", line
+    return proc
+
+
+def ask(text: str) -> tuple[str, int]:
+    r = requests.post(f"{BASE}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0})
+    r.raise_for_status()
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]
+
+
+def test_pagoda_serve_brings_a_document_back_from_disk_after_sigkill_and_ctrl_c_stops_ray(model_dir, tmp_path):
+    """1. A chat document (the model's default system prompt in front) pushed out of device memory
+    to disk by two other chats, then `pagoda serve` SIGKILLed: Ray and all, HAProxy too, go.
+    2. Started again on the same ports and directory, behind its front door, one running and one
+    waiting request filling it: the same question gets the same answer, every full block of the
+    document restored from disk; it answers another; the front door refuses while full; Ctrl-C
+    stops it and Ray, nothing left, exit 0, the ready line all it printed."""
+    kv_dir = tmp_path / "kv"
+    document = DOC[:2000] + "\n\nSummarize the text above."
+    server = pagoda_serve(model_dir, kv_dir, 48)
+    children = descendants(server.pid)  # HAProxy among them
     try:
-        line = proc.stdout.readline()
-        assert line.strip() == "pagoda ready grpc=127.0.0.1:19200 http=127.0.0.1:18200 model=SmolLM2-135M-Instruct"
-        r = requests.post("http://127.0.0.1:18200/v1/chat/completions", timeout=60, json={
+        first, num_prompt_tokens = ask(document)
+        ask(DOC_B[:2200])  # two other chats need every device block: the document's go to disk
+        ask(DOC_B[3000:5200])
+        num_blocks = (num_prompt_tokens - 1) // 16
+        deadline = time.monotonic() + 60
+        while len(list(kv_dir.glob("*.page"))) < num_blocks:  # the writer thread is behind
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert_all_gone(children)  # HAProxy too, though not in the process group: nothing keeps the ports
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(  # one running and one waiting request fill it
+        "applications:\n  - name: pagoda\n    args:\n      engine: {max_num_seqs: 1}\n"
+        "      max_waiting_requests: 1\n      llm_server: {ray_actor_options: {num_cpus: 0}}\n"
+    )
+    # room on the device for the front door's 2000-token stream
+    server = pagoda_serve(model_dir, kv_dir, 256, "--config", str(config), "--front-door")
+    try:
+        again, _ = ask(document)
+        (group,) = requests.get(f"{BASE}/v1/pagoda/status", timeout=30).json()["groups"]
+        assert again == first
+        assert group["kv_tiers"]["restored_from"]["disk"] == num_blocks
+        r = requests.post(f"{BASE}/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20, "temperature": 0})
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
-        front_door_refuses_while_full_then_admits("http://127.0.0.1:18200")
-        stop_and_check_nothing_is_left(proc, descendants(proc.pid))  # HAProxy included
-        assert proc.returncode == 0
+        front_door_refuses_while_full_then_admits(BASE)
+        stop_and_check_nothing_is_left(server, descendants(server.pid))  # HAProxy included
+        assert server.returncode == 0
+        assert server.stdout.read() == ""  # the ready line was all: Ray's forwarded lines go to stderr
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 def front_door_refuses_while_full_then_admits(base: str) -> None:
