@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from cache_service import KVCacheManager
 from cache_service.offload import KVOffload
@@ -42,6 +41,7 @@ from cluster.engine.request import FinishReason, Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerPlan
 from cluster.engine.stats import EngineStats
+from cluster.engine.tokenizer import load_tokenizer
 from model.loader import parse_dtype, weights_fingerprint
 from model.kv_transfer import KVImport
 from model.multimodal import MultimodalSpec
@@ -62,7 +62,7 @@ class LLMEngine:
         self.model_config = executor.config
         # A single request must always fit in the cache, or preempting it could never help.
         self.max_model_len = min(executor.max_model_len, executor.num_blocks * config.block_size)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self.prompts = PromptEncoder(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.model_identity = model_identity(model_dir, config)
         self.multimodal = MultimodalSpec.from_dir(model_dir)  # None: text only

@@ -11,12 +11,11 @@ import asyncio
 import concurrent.futures
 from dataclasses import dataclass
 
-from transformers import AutoTokenizer
-
 from cluster.engine.errors import InvalidRequestError
 from cluster.engine.media import MediaItem
 from cluster.engine.media_prompt import MediaPromptEncoder
 from cluster.engine.prompt import CheckedPrompt, PromptEncoder
+from cluster.engine.tokenizer import load_tokenizer
 from cluster.serve.limits import InputLimits
 from cluster.serve.metrics import MediaMetrics
 from model.multimodal import MultimodalSpec
@@ -36,7 +35,7 @@ class ServedModel:
     async def load(cls, llm, limits: InputLimits, name: str | None) -> ServedModel:
         """Asks the model server (a handle) what it serves, and loads its tokenizer here."""
         info = await llm.model_info.remote()
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, info["model_dir"])
+        tokenizer = await asyncio.to_thread(load_tokenizer, info["model_dir"])
         name = name or info["model_id"]
         prompts = PromptEncoder(tokenizer, info["vocab_size"], info["max_model_len"])
         spec = await asyncio.to_thread(MultimodalSpec.from_dir, info["model_dir"])
