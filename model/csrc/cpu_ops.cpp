@@ -693,14 +693,28 @@ torch::Tensor group_dequantize(torch::Tensor qweight, torch::Tensor d, torch::Te
 
 namespace {
 
+inline bool all_finite(const float* x) {
+  for (int i = 0; i < kGroup; ++i) {
+    if (!std::isfinite(x[i])) return false;
+  }
+  return true;
+}
+
+inline bool same_group(const float* a, const float* b) {
+  for (int i = 0; i < kGroup; ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
+}
+
 // One group of 32 values as Q4_1 (q packed two to a byte: byte j holds weights j and j + 16) if
 // they are exactly what those groups dequantize to. d = (max - min) / 15 and m = min in fp16, q by
 // rounding to the nearest (ties to even, as torch.round); checked by the same dequantization the
 // products use.
 bool recover_q4_1(const float* x, uint8_t* q, at::Half* d_out, at::Half* m_out) {
+  if (!all_finite(x)) return false;
   float low = x[0], high = x[0];
   for (int i = 0; i < kGroup; ++i) {
-    if (!std::isfinite(x[i])) return false;
     low = std::min(low, x[i]);
     high = std::max(high, x[i]);
   }
@@ -715,9 +729,7 @@ bool recover_q4_1(const float* x, uint8_t* q, at::Half* d_out, at::Half* m_out) 
   for (int j = 0; j < kGroup / 2; ++j) q[j] = nibbles[j] | (nibbles[j + kGroup / 2] << 4);
   alignas(64) float back[kGroup];
   dequant_q4_1(q, d, m, back);
-  for (int i = 0; i < kGroup; ++i) {
-    if (back[i] != x[i]) return false;
-  }
+  if (!same_group(back, x)) return false;
   *d_out = d_half;
   *m_out = m_half;
   return true;
@@ -725,11 +737,9 @@ bool recover_q4_1(const float* x, uint8_t* q, at::Half* d_out, at::Half* m_out) 
 
 // The same as Q8_0: d = max |x| / 127 in fp16, q in -127..127.
 bool recover_q8_0(const float* x, int8_t* q, at::Half* d_out) {
+  if (!all_finite(x)) return false;
   float largest = 0;
-  for (int i = 0; i < kGroup; ++i) {
-    if (!std::isfinite(x[i])) return false;
-    largest = std::max(largest, std::fabs(x[i]));
-  }
+  for (int i = 0; i < kGroup; ++i) largest = std::max(largest, std::fabs(x[i]));
   const at::Half d_half(largest / 127.0f);
   const float d = static_cast<float>(d_half);
   if (!std::isfinite(d)) return false;
@@ -739,9 +749,7 @@ bool recover_q8_0(const float* x, int8_t* q, at::Half* d_out) {
   }
   alignas(64) float back[kGroup];
   dequant_q8_0(q, d, back);
-  for (int i = 0; i < kGroup; ++i) {
-    if (back[i] != x[i]) return false;
-  }
+  if (!same_group(back, x)) return false;
   *d_out = d_half;
   return true;
 }
