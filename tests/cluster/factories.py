@@ -1,10 +1,13 @@
 """Small builders for engine-side unit tests."""
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
+from model.config import ModelConfig
+from model.runner import kv_bytes_per_block
 
 _WORDS = ["<eos>"] + [f"w{i}" for i in range(200)]
 
@@ -36,3 +39,9 @@ def make_request(
         tenant=tenant,
         weight=weight,
     )
+
+
+def block_bytes(model_dir) -> int:
+    """One block's KV in bytes (fp32, 16 tokens), for the model in model_dir."""
+    c = ModelConfig.from_dir(model_dir)
+    return kv_bytes_per_block(c, c.num_key_value_heads, 16, torch.float32)

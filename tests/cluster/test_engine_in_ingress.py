@@ -8,7 +8,6 @@ mid-way."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import requests

@@ -2,11 +2,9 @@
 concurrently, with chunked prefill forced small, with prefix-cache hits, and under preemption."""
 
 import pytest
-import torch
 
 from cluster import LLM, SamplingParams
-from model.config import ModelConfig
-from model.runner import kv_bytes_per_block
+from tests.cluster.factories import block_bytes
 from tests.conftest import PARITY_MAX_TOKENS
 from tests.hf_reference import check_all
 from tests.parity_prompts import parity_prompts, without_long_twins
@@ -76,8 +74,3 @@ def test_preempted_requests_still_match_hf(model_dir, encoded, references, mode,
         assert tight.engine.kv_connector.swap_space.used_blocks == 0  # every copy's room given back
     assert tight.engine.num_free_blocks == 12
 
-
-
-def block_bytes(model_dir) -> int:
-    c = ModelConfig.from_dir(model_dir)
-    return kv_bytes_per_block(c, c.num_key_value_heads, 16, torch.float32)

@@ -3,7 +3,6 @@ each starts its own local Ray cluster, answers, and on Ctrl-C leaves no process 
 serve` twice on the same ports and KV directory, the first SIGKILLed: a chat document it had
 pushed to disk comes back from there."""
 
-import pytest
 import json
 import os
 import signal
@@ -15,10 +14,12 @@ from pathlib import Path
 
 import grpc
 import psutil
+import pytest
 import requests
 
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
+from tests.cluster.factories import block_bytes
 from tests.parity_prompts import DOC, DOC_B
 
 pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
@@ -70,7 +71,6 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None:
 
 HTTP, GRPC = 18200, 19200
 BASE = f"http://127.0.0.1:{HTTP}"
-BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4  # the default model's KV per block (fp32)
 
 
 def pagoda_serve(model_dir, kv_dir: Path, device_blocks: int, *options: str) -> subprocess.Popen:
@@ -78,7 +78,7 @@ def pagoda_serve(model_dir, kv_dir: Path, device_blocks: int, *options: str) -> 
     printed its ready line."""
     proc = subprocess.Popen(
         [str(BIN / "pagoda"), "serve", "--model", model_dir, "--http-port", str(HTTP), "--grpc-port", str(GRPC),
-         "--num-cpus", "1", "--device-kv-gb", str(device_blocks * BLOCK_BYTES / (1 << 30)), "--host-kv-gb", "0",
+         "--num-cpus", "1", "--device-kv-gb", str(device_blocks * block_bytes(model_dir) / (1 << 30)), "--host-kv-gb", "0",
          "--disk-kv-gb", "1", "--kv-cache-dir", str(kv_dir), *options],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, cwd=ROOT,
     )

@@ -40,7 +40,13 @@ def _language_model(lm_dir: Path, new_tokens: list[str]):
     tokenizer = AutoTokenizer.from_pretrained(lm_dir)
     tokenizer.add_tokens(new_tokens, special_tokens=True)
     lm = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32)
-    lm.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+    old_rows = lm.get_input_embeddings().weight.shape[0]
+    # Not transformers' default (rows drawn at random around the mean): the same weights every time,
+    # so HF's answers for them are kept on disk from run to run (tests/hf_reference.py)
+    lm.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
+    with torch.no_grad():
+        for matrix in {lm.get_input_embeddings().weight, lm.get_output_embeddings().weight}:
+            matrix[old_rows:] = matrix[:old_rows].mean(dim=0)
     return lm, tokenizer
 
 
