@@ -5,6 +5,7 @@ answer parses and validates; a schema xgrammar cannot compile is refused naming 
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
 import jsonschema
 import pytest
@@ -13,6 +14,7 @@ import torch
 from cluster import SamplingParams
 from cluster.engine.errors import InvalidRequestError
 from cluster.engine.structured_output import StructuredOutput
+from tests.hf_reference import Reference, kept_on_disk
 
 # Nested objects, enums, arrays, bounded strings and numbers: what a small model can finish in budget.
 PERSON = {
@@ -47,16 +49,23 @@ def hf_greedy_under_grammar(hf_model, tokenizer, token_ids: list[int], schema: d
     return out[0, len(token_ids):].tolist()
 
 
-def test_greedy_under_a_schema_equals_hf_with_the_same_grammar(llm, hf_model, tokenizer):
+def test_greedy_under_a_schema_equals_hf_with_the_same_grammar(llm, model_dir, request):
     params = SamplingParams(max_tokens=120, temperature=0,
                             structured_output=StructuredOutput("json_schema", json.dumps(PERSON)))
     encoded = [llm.encode(messages=chat(q)) for q in QUESTIONS]
+    prompts = [list(token_ids) for _, token_ids, _ in encoded]
+
+    def hf_answers() -> list[Reference]:
+        hf_model, tokenizer = request.getfixturevalue("hf_model"), request.getfixturevalue("tokenizer")
+        return [Reference(hf_greedy_under_grammar(hf_model, tokenizer, ids, PERSON, 120), []) for ids in prompts]
+
+    expected = kept_on_disk(model_dir, ["under a JSON schema", version("xgrammar"), PERSON, prompts, 120], hf_answers)
     outputs = llm.run(encoded, params)
-    for (_, token_ids, _), output in zip(encoded, outputs):
+    for output, hf in zip(outputs, expected):
         ours = output.outputs[0]
         assert ours.finish_reason == "stop", ours.text
         jsonschema.validate(json.loads(ours.text), PERSON)
-        assert ours.token_ids == hf_greedy_under_grammar(hf_model, tokenizer, token_ids, PERSON, 120)
+        assert ours.token_ids == hf.token_ids
 
 
 def test_sampled_answers_all_validate(llm):
