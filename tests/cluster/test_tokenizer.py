@@ -20,11 +20,8 @@ TEXTS = ["The quick brown fox", "def f(x):\n    return x * 2\n", "  leading spac
 
 
 @pytest.fixture(scope="module", params=["default", "llava", "llava_next", "qwen2_audio"])
-def checkpoint(request, model_dir, tmp_path_factory) -> str:
-    if request.param == "default":
-        return model_dir
-    build = getattr(models, f"build_{request.param}")
-    return str(build(tmp_path_factory.mktemp(request.param), model_dir))
+def checkpoint(request, model_dir) -> str:
+    return model_dir if request.param == "default" else str(models.kept(getattr(models, f"build_{request.param}"), model_dir))
 
 
 def test_load_tokenizer_is_autotokenizer(checkpoint):

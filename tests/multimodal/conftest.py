@@ -1,4 +1,4 @@
-"""Multimodal checkpoints written once per session (tests/multimodal/models.py) and HF's answers
+"""Multimodal checkpoints kept on disk (tests/multimodal/models.py) and HF's answers
 for them: HF's own model class, processor and chat template on the same directory (the answers
 kept on disk like the text oracle's, tests/hf_reference.py)."""
 
@@ -26,16 +26,12 @@ FAMILIES = {
 class Checkpoints:
     """Each family's directory, written on first use; HF's greedy answers likewise."""
 
-    def __init__(self, lm_dir: str, tmp_path_factory):
-        self.lm_dir, self.tmp_path_factory = Path(lm_dir), tmp_path_factory
-        self._dirs: dict[str, str] = {}
+    def __init__(self, lm_dir: str):
+        self.lm_dir = Path(lm_dir)
         self._references: dict[str, dict[str, Reference]] = {}
 
     def dir(self, family: str) -> str:
-        if family not in self._dirs:
-            build = FAMILIES[family][0]
-            self._dirs[family] = str(build(self.tmp_path_factory.mktemp(family), self.lm_dir))
-        return self._dirs[family]
+        return str(models.kept(FAMILIES[family][0], self.lm_dir))
 
     def references(self, family: str) -> dict[str, Reference]:
         if family not in self._references:
@@ -54,8 +50,8 @@ class Checkpoints:
 
 
 @pytest.fixture(scope="session")
-def checkpoints(model_dir, tmp_path_factory) -> Checkpoints:
-    return Checkpoints(model_dir, tmp_path_factory)
+def checkpoints(model_dir) -> Checkpoints:
+    return Checkpoints(model_dir)
 
 
 @pytest.fixture(scope="session")

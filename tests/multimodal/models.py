@@ -120,6 +120,41 @@ def build_qwen2_audio(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
     return _save(out_dir, Qwen2AudioForConditionalGeneration, config, lm, processor, seed, prepare)
 
 
+def kept(build, lm_dir: str | Path) -> Path:
+    """`build`'s checkpoint (one of the builders above) from $PAGODA_HOME/test-checkpoints, written there on first use.
+    Keyed by the language model's weights, this file's source and the versions of transformers and
+    torch (the builds are seeded: the same key, the same bytes), so a test run reads what an earlier
+    one wrote instead of building it again (~5 s of CPU a family in each pytest worker)."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+    import time
+
+    import transformers
+
+    from cluster.model_fetch import pagoda_home
+    from model.loader import weights_fingerprint
+
+    family = build.__name__.removeprefix("build_")
+    key = repr([family, weights_fingerprint(lm_dir), Path(__file__).read_bytes(), transformers.__version__,
+                torch.__version__])
+    home = pagoda_home() / "test-checkpoints"
+    path = home / f"{family}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if not path.is_dir():
+        home.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=home))
+        build(partial, Path(lm_dir))
+        try:
+            os.rename(partial, path)  # whole or absent, whichever pytest worker writes it first
+        except OSError:
+            shutil.rmtree(partial)  # the other worker's is the same
+        for stale in home.glob(f"{family}-*"):  # an earlier source's (~0.6 GB each), unless just written
+            if stale != path and time.time() - stale.stat().st_mtime > 3600:
+                shutil.rmtree(stale, ignore_errors=True)
+    return path
+
+
 def _save(out_dir: Path, model_class, config, lm, processor, seed: int, prepare) -> Path:
     """The model of `config` with a seeded random encoder, the LM's real weights and `prepare`'s
     touches, written with its processor as an HF directory."""
