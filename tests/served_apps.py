@@ -5,6 +5,7 @@ after; and the calls the tests make to them."""
 import json
 import os
 import signal
+import subprocess
 import time
 from contextlib import contextmanager
 
@@ -77,9 +78,11 @@ def _wait_until_routed_alone(grpc_address: str, applications: list[str], timeout
             time.sleep(0.2)
 
 
-def wait_healthy(base: str, timeout_s: float) -> None:
+def wait_healthy(base: str, timeout_s: float, server: subprocess.Popen | None = None) -> None:
+    """Until `base`/health answers 200; a server process of its own that exits first fails it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        assert server is None or server.poll() is None, "the server exited"
         try:
             if requests.get(f"{base}/health", timeout=30).status_code == 200:
                 return

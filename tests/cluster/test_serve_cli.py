@@ -21,6 +21,7 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
 from tests.cluster.factories import block_bytes
 from tests.parity_prompts import DOC, DOC_B
+from tests.served_apps import wait_healthy
 
 pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
 
@@ -54,19 +55,6 @@ def _alive(process: psutil.Process) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the server exited"
-        try:
-            if requests.get(url, timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise TimeoutError(url)
 
 
 HTTP, GRPC = 18200, 19200
@@ -188,7 +176,7 @@ def test_serve_run_with_the_checked_in_config(model_dir):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT, env=env,
     )
     try:
-        wait_http("http://127.0.0.1:8000/health", proc)
+        wait_healthy("http://127.0.0.1:8000", 240, server=proc)
         with grpc.insecure_channel("127.0.0.1:9000") as channel:
             responses = list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(
                 prompt="The capital of France is", sampling=pb.SamplingParams(max_tokens=5, temperature=0))))
