@@ -21,7 +21,9 @@ TEXTS = ["The quick brown fox", "def f(x):\n    return x * 2\n", "  leading spac
 
 @pytest.fixture(scope="module", params=["default", "llava", "llava_next", "qwen2_audio"])
 def checkpoint(request, model_dir) -> str:
-    return model_dir if request.param == "default" else str(models.kept(getattr(models, f"build_{request.param}"), model_dir))
+    if request.param == "default":
+        return model_dir
+    return str(models.kept(getattr(models, f"build_{request.param}"), model_dir))
 
 
 def test_load_tokenizer_is_autotokenizer(checkpoint):

@@ -5,7 +5,6 @@ kept on disk like the text oracle's, tests/hf_reference.py)."""
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ class Checkpoints:
     """Each family's directory, written on first use; HF's greedy answers likewise."""
 
     def __init__(self, lm_dir: str):
-        self.lm_dir = Path(lm_dir)
+        self.lm_dir = str(lm_dir)
         self._references: dict[str, dict[str, Reference]] = {}
 
     def dir(self, family: str) -> str:

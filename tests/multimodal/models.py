@@ -10,6 +10,7 @@ with rows at the mean of the others, as LLaVA-1.5 did to Vicuna (32000 -> 32064)
 
 from __future__ import annotations
 
+import functools
 import io
 from pathlib import Path
 
@@ -120,11 +121,13 @@ def build_qwen2_audio(out_dir: Path, lm_dir: Path, seed: int = 0) -> Path:
     return _save(out_dir, Qwen2AudioForConditionalGeneration, config, lm, processor, seed, prepare)
 
 
-def kept(build, lm_dir: str | Path) -> Path:
+@functools.cache  # once a process: the key reads the weights' fingerprint and this file
+def kept(build, lm_dir: str) -> Path:
     """`build`'s checkpoint (one of the builders above) from $PAGODA_HOME/test-checkpoints, written there on first use.
     Keyed by the language model's weights, this file's source and the versions of transformers and
     torch (the builds are seeded: the same key, the same bytes), so a test run reads what an earlier
     one wrote instead of building it again (~5 s of CPU a family in each pytest worker)."""
+    import contextlib
     import hashlib
     import os
     import shutil
@@ -144,11 +147,12 @@ def kept(build, lm_dir: str | Path) -> Path:
     if not path.is_dir():
         home.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=home))
-        build(partial, Path(lm_dir))
         try:
-            os.rename(partial, path)  # whole or absent, whichever pytest worker writes it first
-        except OSError:
-            shutil.rmtree(partial)  # the other worker's is the same
+            build(partial, Path(lm_dir))
+            with contextlib.suppress(OSError):  # another pytest worker's, the same bytes, got there first
+                os.rename(partial, path)  # whole or absent
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)  # a failed build's or the loser's; gone once renamed
         for stale in home.glob(f"{family}-*"):  # an earlier source's (~0.6 GB each), unless just written
             if stale != path and time.time() - stale.stat().st_mtime > 3600:
                 shutil.rmtree(stale, ignore_errors=True)
