@@ -149,8 +149,6 @@ def serve_cluster():
 
     # Free ports: nothing else on the host (another checkout's tests, a server) can be in the way.
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    # Ray exports metrics every 10 s by default; 1 s lets metric tests settle quickly and surely.
-    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     # 4 logical CPUs on 2 cores: room for the TP worker groups the disaggregation tests add.
     launcher.start_ray(num_cpus=4, metrics_port=metrics_port)
     launcher.start_serve(http_port, grpc_port)

@@ -19,6 +19,29 @@ from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
 from tests.conftest import PARITY_MAX_TOKENS
 
+# Ray's metrics agent takes each process's metrics every 10 s (Ray's default metrics_report_interval_ms,
+# kept in the tests: at 1 s the agent alone spent 2.2 CPU-s a minute on an idle session cluster,
+# at 10 s 0.8). A metric is read once it is there, never after a fixed wait.
+METRICS_EXPORT_S = 10
+
+
+def scrape_until(url: str, missing, timeout_s: float = 6 * METRICS_EXPORT_S) -> str:
+    """The metrics page once `missing(text)` is empty."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = requests.get(url, timeout=10).text
+        gaps = missing(text)
+        if not gaps:
+            return text
+        assert time.monotonic() < deadline, f"not exported: {gaps}"
+        time.sleep(2)
+
+
+def metric_value(text: str, name: str, label: str = "") -> float:
+    """The sum of a metric's samples (every replica) whose labels contain `label`."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
+
 
 @contextmanager
 def deployed(server, name: str, route: str, **args):

@@ -5,8 +5,7 @@ the tiers."""
 
 import pytest
 
-from tests.served_apps import answer, deployed, grpc_request, status
-from tests.cluster.test_serving import scrape_until
+from tests.served_apps import answer, deployed, grpc_request, metric_value, scrape_until, status
 from tests.parity_prompts import DOC, DOC_B
 
 pytestmark = pytest.mark.ray  # make test only; apps of its own on the session cluster
@@ -48,12 +47,6 @@ def test_an_evicted_document_comes_back_from_the_cache_service_on_either_replica
         metric_value(text, "ray_pagoda_kv_restored_blocks_total", 'tier="service"') >= restored
         and metric_value(text, "ray_pagoda_kv_spilled_blocks_total") >= tiers["spilled_blocks"]
         and metric_value(text, "ray_pagoda_kv_prefetches_total") >= 1) else ["kv tier counters"])
-
-
-def metric_value(text: str, name: str, label: str = "") -> float:
-    """The sum of a metric's samples (every replica) whose labels contain `label`."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and label in line)
 
 
 def test_a_replica_stopped_by_serve_leaves_its_prefix_cache_for_the_next_one(serve_cluster, model_dir, tmp_path):

@@ -14,6 +14,7 @@ from cluster import SamplingParams
 from cluster.model_fetch import DEFAULT_MODEL_NAME as MODEL
 from protos import inference_pb2 as pb
 from tests.parity_prompts import CHAT_QUESTIONS
+from tests.served_apps import scrape_until
 
 GREEDY = dict(max_tokens=24, temperature=0)
 
@@ -382,15 +383,3 @@ def test_prometheus_metrics_are_exported(stub, server):
     text = scrape_until(server["metrics"], lambda text: [name for name in wanted if name not in text])
     generated = [line for line in text.splitlines() if line.startswith("ray_pagoda_generation_tokens_total")]
     assert float(generated[0].rsplit(" ", 1)[1]) >= 8
-
-
-def scrape_until(url: str, missing, timeout_s: float = 40) -> str:
-    """The metrics page once `missing(text)` is empty (Ray's agent exports every few seconds)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = requests.get(url, timeout=10).text
-        gaps = missing(text)
-        if not gaps:
-            return text
-        assert time.monotonic() < deadline, f"not exported: {gaps}"
-        time.sleep(2)

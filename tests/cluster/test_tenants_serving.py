@@ -14,10 +14,9 @@ import pytest
 import requests
 
 from protos import inference_pb2 as pb
-from tests.served_apps import deployed
-from tests.cluster.test_kv_tiers_serving import metric_value
+from tests.served_apps import deployed, metric_value, scrape_until
 from tests.cluster.test_tenants_front import (BUDGET_REQUESTS, COST, KEY_A, KEY_B, KEY_METERED, PROMPT, WRONG,
-                                              eventually, wait_for_log, write_keys_file)
+                                              wait_for_log, write_keys_file)
 
 pytestmark = pytest.mark.ray  # a Ray cluster or a served model: make test only
 
@@ -91,12 +90,11 @@ def test_a_budget_runs_out_at_exactly_its_units_across_two_ingress_replicas(keye
     assert len({r["replica"] for r in records}) == 2  # both ingress replicas took the tenant's requests
     assert sum_by_tenant(read_usage(keyed_app["usage_log"]))["metered"]["compute_units"] == BUDGET_REQUESTS * COST
     # and in Prometheus, per tenant (exported by the ledger through Ray's metrics agent)
-    def metric(name: str, label: str) -> float:
-        return metric_value(requests.get(keyed_app["metrics"], timeout=30).text, name, label)
-
-    # each counter is exported on its own schedule (1 s): wait for each, not for one then read the other
-    eventually(lambda: metric("ray_pagoda_tenant_compute_units_total", 'tenant="metered"') == BUDGET_REQUESTS * COST)
-    eventually(lambda: metric("ray_pagoda_tenant_refusals_total", 'reason="quota",tenant="metered"') >= 2)
+    # each counter is exported on its own schedule: wait for each, not for one then read the other
+    scrape_until(keyed_app["metrics"], lambda text: [] if (
+        metric_value(text, "ray_pagoda_tenant_compute_units_total", 'tenant="metered"') == BUDGET_REQUESTS * COST
+        and metric_value(text, "ray_pagoda_tenant_refusals_total", 'reason="quota",tenant="metered"') >= 2)
+        else ["tenant counters"])
 
 
 def test_the_cli_sends_its_key(keyed_app):
