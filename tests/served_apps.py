@@ -17,16 +17,12 @@ from click.testing import CliRunner
 from cluster.cli import main as cli
 from protos import inference_pb2 as pb
 from protos import inference_pb2_grpc as pb_grpc
-from tests.conftest import PARITY_MAX_TOKENS
-
-# Ray's metrics agent takes each process's metrics every 10 s (Ray's default metrics_report_interval_ms,
-# kept in the tests: at 1 s the agent alone spent 2.2 CPU-s a minute on an idle session cluster,
-# at 10 s 0.8). A metric is read once it is there, never after a fixed wait.
-METRICS_EXPORT_S = 10
+from tests.conftest import METRICS_EXPORT_S, PARITY_MAX_TOKENS
 
 
-def scrape_until(url: str, missing, timeout_s: float = 6 * METRICS_EXPORT_S) -> str:
-    """The metrics page once `missing(text)` is empty."""
+def scrape_until(url: str, missing, timeout_s: float = 40) -> str:
+    """The metrics page once `missing(text)` is empty (exported every METRICS_EXPORT_S, later on a
+    busy host)."""
     deadline = time.monotonic() + timeout_s
     while True:
         text = requests.get(url, timeout=10).text
@@ -34,7 +30,7 @@ def scrape_until(url: str, missing, timeout_s: float = 6 * METRICS_EXPORT_S) -> 
         if not gaps:
             return text
         assert time.monotonic() < deadline, f"not exported: {gaps}"
-        time.sleep(2)
+        time.sleep(METRICS_EXPORT_S)
 
 
 def metric_value(text: str, name: str, label: str = "") -> float:

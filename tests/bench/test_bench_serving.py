@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.bench.bench import run_bench
 from cluster.bench.workloads import WorkloadSpec
-from tests.served_apps import METRICS_EXPORT_S
+from tests.conftest import METRICS_EXPORT_S
 
 
 def scrape(server) -> dict[str, float]:
@@ -25,7 +25,7 @@ def scrape(server) -> dict[str, float]:
     return totals
 
 
-def settled(server, at_least: dict[str, float] | None = None, timeout_s: float = 6 * METRICS_EXPORT_S) -> dict[str, float]:
+def settled(server, at_least: dict[str, float] | None = None, timeout_s: float = 45.0) -> dict[str, float]:
     """Metrics once Ray's exporter has caught up: each metric of `at_least` reached its value and
     two scrapes agree that lie further apart than one export (so every process exported between)."""
     deadline = time.monotonic() + timeout_s
@@ -36,7 +36,7 @@ def settled(server, at_least: dict[str, float] | None = None, timeout_s: float =
             return current
         assert time.monotonic() < deadline, "the metrics exporter did not settle"
         previous = current
-        time.sleep(METRICS_EXPORT_S + 1)
+        time.sleep(METRICS_EXPORT_S + 2)
 
 
 def test_bench_numbers_agree_with_the_servers_own_metrics(server, model_dir):
