@@ -38,15 +38,15 @@ serve: model
 demo: model
 	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
 
-# Pytest workers (xdist): two keep 2 cores busy; a third ran this 24 GB host out of memory (each
+# Pytest workers (xdist): two keep 2 cores busy; the groups go in tests/conftest.py's order, longest first; a third ran this 24 GB host out of memory (each
 # worker holds its own models and servers)
 TEST_WORKERS ?= 2
 
 test: model
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30 tests
 
 test-fast: model
-	PAGODA_TEST_FAST=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 -m "not ray" tests
+	PAGODA_TEST_FAST=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10 -m "not ray" tests
 
 bench: model
 	$(BIN)/python -m benchmarks.offline_throughput

@@ -59,6 +59,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups set here
 def pytest_collection_modifyitems(config, items):
+    costs: dict[str, float] = {}  # each test's rough cost: order_longest_groups_first
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if REAL_MODEL_FIXTURES & fixtures:
@@ -70,15 +71,36 @@ def pytest_collection_modifyitems(config, items):
         # their own beside it) in one, so one cluster starts in the run (a second one, idle between
         # its tests, cost the other worker's tests CPU the whole run); the other tests go by
         # module, so a module's fixtures are built once.
+        long_apart = any(m.name == "xdist_group" for m in item.own_markers)  # a test given a group of its own
         if item.get_closest_marker("xdist_group") is None:
             group = "session-cluster" if SESSION_CLUSTER_FIXTURES & fixtures else item.module.__name__
             item.add_marker(pytest.mark.xdist_group(group))
+        costs[item.nodeid] = 20 if "ray" in item.keywords or long_apart else 4 if "slow" in item.keywords else 0.1
+    order_longest_groups_first(items, costs)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def order_longest_groups_first(items: list, costs: dict[str, float]) -> None:
+    """The groups in order of their rough cost, longest first (the Makefile's
+    `--no-loadscope-reorder` keeps it): a long group started last keeps one pytest worker busy
+    while the other waits. xdist's own order (most tests first) ran the small-chunks parity test, a
+    group of one, last: the other worker idle for its 39 s (make test-fast). Rough costs, from the
+    suite's junit times: a served test or one given a group of its own (a long one, run apart)
+    tens of seconds, one of the real model in process seconds, the rest milliseconds."""
+    def group(item) -> str:
+        return item.get_closest_marker("xdist_group").args[0]
+
+    group_cost: dict[str, float] = {}
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        group_cost[group(item)] = group_cost.get(group(item), 0) + costs[item.nodeid]
+        first_seen.setdefault(group(item), index)
+    items.sort(key=lambda item: (-group_cost[group(item)], first_seen[group(item)]))
 
 
 @pytest.hookimpl(optionalhook=True)
