@@ -38,8 +38,8 @@ serve: model
 demo: model
 	$(BIN)/pagoda generate --offline --prompts-file examples/demo_prompts.jsonl --max-tokens 64 --temperature 0
 
-# Pytest workers (xdist): two keep 2 cores busy; the groups go in tests/conftest.py's order, longest first; a third ran this 24 GB host out of memory (each
-# worker holds its own models and servers)
+# Pytest workers (xdist): two keep 2 cores busy; a third ran this 24 GB host out of memory (each
+# worker holds its own models and servers). The groups run in tests/conftest.py's order, longest first.
 TEST_WORKERS ?= 2
 
 test: model

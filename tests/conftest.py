@@ -59,7 +59,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups set here
 def pytest_collection_modifyitems(config, items):
-    costs: dict[str, float] = {}  # each test's rough cost: order_longest_groups_first
+    groups: dict[str, tuple[str, float]] = {}  # each test's group and rough cost: order_longest_groups_first
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if REAL_MODEL_FIXTURES & fixtures:
@@ -75,8 +75,9 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("xdist_group") is None:
             group = "session-cluster" if SESSION_CLUSTER_FIXTURES & fixtures else item.module.__name__
             item.add_marker(pytest.mark.xdist_group(group))
-        costs[item.nodeid] = 20 if "ray" in item.keywords or long_apart else 4 if "slow" in item.keywords else 0.1
-    order_longest_groups_first(items, costs)
+        cost = 20 if "ray" in item.keywords or long_apart else 4 if "slow" in item.keywords else 0.1
+        groups[item.nodeid] = (item.get_closest_marker("xdist_group").args[0], cost)
+    order_longest_groups_first(items, groups)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -85,22 +86,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def order_longest_groups_first(items: list, costs: dict[str, float]) -> None:
+def order_longest_groups_first(items: list, groups: dict[str, tuple[str, float]]) -> None:
     """The groups in order of their rough cost, longest first (the Makefile's
     `--no-loadscope-reorder` keeps it): a long group started last keeps one pytest worker busy
     while the other waits. xdist's own order (most tests first) ran the small-chunks parity test, a
     group of one, last: the other worker idle for its 39 s (make test-fast). Rough costs, from the
     suite's junit times: a served test or one given a group of its own (a long one, run apart)
     tens of seconds, one of the real model in process seconds, the rest milliseconds."""
-    def group(item) -> str:
-        return item.get_closest_marker("xdist_group").args[0]
-
     group_cost: dict[str, float] = {}
     first_seen: dict[str, int] = {}
     for index, item in enumerate(items):
-        group_cost[group(item)] = group_cost.get(group(item), 0) + costs[item.nodeid]
-        first_seen.setdefault(group(item), index)
-    items.sort(key=lambda item: (-group_cost[group(item)], first_seen[group(item)]))
+        group, cost = groups[item.nodeid]
+        group_cost[group] = group_cost.get(group, 0) + cost
+        first_seen.setdefault(group, index)
+    items.sort(key=lambda item: (-group_cost[groups[item.nodeid][0]], first_seen[groups[item.nodeid][0]]))
 
 
 @pytest.hookimpl(optionalhook=True)
