@@ -1,4 +1,5 @@
-"""Multimodal checkpoints: which architectures, what media they take, and their encoders.
+"""Multimodal checkpoints' encoders (which families there are, and what media each takes, is
+model/multimodal_spec.py's).
 
 The language model of a multimodal checkpoint runs like any other (model/llama.py over the paged
 KV cache). Its encoder (a vision or audio tower and the projector into the language model's
@@ -12,7 +13,6 @@ language model takes in place of those tokens' embeddings (ModelRunner splices t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,15 +24,13 @@ from torch import nn
 
 from model.config import UnsupportedModelError
 from model.loader import weight_files
+from model.multimodal_spec import MultimodalSpec
 
 
 @dataclass(frozen=True, slots=True)
-class MultimodalFamily:
-    modality: str  # what one media item of this family is: "image" or "audio"
-    placeholder_key: str  # the config.json key holding the placeholder token's id
-    encoder_modules: tuple[str, ...]  # what of the HF model encodes (modules or parameters)
+class FamilyEncoder:
+    modules: tuple[str, ...]  # what of the HF model encodes (modules or parameters)
     encode: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]  # HF model, one item -> rows
-    max_items: int  # media items one request may carry
 
 
 def _encode_image(hf: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -61,45 +59,12 @@ def _encode_qwen2_audio(hf: nn.Module, inputs: dict[str, torch.Tensor]) -> torch
     return projected[0, : int(output_lengths[0])]
 
 
-FAMILIES: dict[str, MultimodalFamily] = {
-    "llava": MultimodalFamily("image", "image_token_index", ("model.vision_tower", "model.multi_modal_projector"),
-                              _encode_image, max_items=8),
-    "llava_next": MultimodalFamily("image", "image_token_index",
-                                   ("model.vision_tower", "model.multi_modal_projector", "model.image_newline"),
-                                   _encode_image, max_items=4),
-    "qwen2_audio": MultimodalFamily("audio", "audio_token_index", ("model.audio_tower", "model.multi_modal_projector"),
-                                    _encode_qwen2_audio, max_items=4),
+ENCODERS: dict[str, FamilyEncoder] = {  # by model_type, as model/multimodal_spec.py's FAMILIES
+    "llava": FamilyEncoder(("model.vision_tower", "model.multi_modal_projector"), _encode_image),
+    "llava_next": FamilyEncoder(("model.vision_tower", "model.multi_modal_projector", "model.image_newline"),
+                                _encode_image),
+    "qwen2_audio": FamilyEncoder(("model.audio_tower", "model.multi_modal_projector"), _encode_qwen2_audio),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class MultimodalSpec:
-    """What a served model takes besides text (None for a text-only model; see `from_dir`)."""
-
-    model_type: str
-    modality: str
-    placeholder_token_id: int
-    max_items: int
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> MultimodalSpec | None:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-        if "text_config" not in raw:
-            return None
-        model_type = raw.get("model_type")
-        family = FAMILIES.get(model_type)
-        if family is None:
-            raise UnsupportedModelError(
-                f"multimodal model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
-        # transformers 5 writes image_token_id beside (or instead of) the older *_index key
-        placeholder = raw.get(family.placeholder_key, raw.get(family.placeholder_key.replace("_index", "_id")))
-        if placeholder is None:
-            raise UnsupportedModelError(f"{model_dir}/config.json has no {family.placeholder_key}")
-        return cls(model_type, family.modality, int(placeholder), family.max_items)
-
-    @property
-    def family(self) -> MultimodalFamily:
-        return FAMILIES[self.model_type]
 
 
 class MediaEncoder:
@@ -118,7 +83,8 @@ class MediaEncoder:
         architecture = getattr(transformers, config.architectures[0])
         with torch.device("meta"):  # the language model stays unallocated: model/llama.py runs it
             self.hf = architecture(config)
-        names = self.spec.family.encoder_modules
+        self.family = ENCODERS[self.spec.model_type]
+        names = self.family.modules
         for name in names:
             _materialize(self.hf, name, dtype, self.device)
         _load_encoder_weights(self.hf, model_dir, names)
@@ -129,7 +95,7 @@ class MediaEncoder:
         """One item's processor output (its arrays with a leading batch dimension of 1)."""
         tensors = {key: torch.from_numpy(np.asarray(value)).to(self.device) for key, value in inputs.items()}
         tensors = {key: t.to(self.dtype) if t.is_floating_point() else t for key, t in tensors.items()}
-        return self.spec.family.encode(self.hf, tensors)
+        return self.family.encode(self.hf, tensors)
 
 
 def _materialize(hf: nn.Module, name: str, dtype: torch.dtype, device: torch.device) -> None:

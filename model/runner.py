@@ -27,7 +27,7 @@ from model.decode_stack import build_decode_stack
 from model.kv_transfer import KVExporter, from_numpy, install, to_numpy, token_slots
 from model.llama import LlamaForCausalLM
 from model.loader import dtype_name, load_weights
-from model.multimodal import MultimodalSpec
+from model.multimodal_spec import MultimodalSpec
 from model.quantization import GroupedWeight, check_mode, dense_from_once
 from model.sampler import sample
 from model.tp_layout import head_shard

@@ -44,7 +44,7 @@ from cluster.engine.stats import EngineStats
 from cluster.engine.tokenizer import load_tokenizer
 from model.loader import parse_dtype, weights_fingerprint
 from model.kv_transfer import KVImport
-from model.multimodal import MultimodalSpec
+from model.multimodal_spec import MultimodalSpec
 from model.runner import kv_bytes_per_block
 from model.sampler import SamplingRow
 

@@ -259,7 +259,7 @@ def encoder_server(config: AppConfig, engine: dict):
     """The EncoderServer deployment when the engine's encoder is one (and the model multimodal)."""
     from cluster.engine.config import EngineConfig
     from cluster.serve.encoder_server import EncoderServer
-    from model.multimodal import MultimodalSpec
+    from model.multimodal_spec import MultimodalSpec
 
     options = EngineConfig(**engine)
     if options.encoder != "deployment" or MultimodalSpec.from_dir(options.model) is None:

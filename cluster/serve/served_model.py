@@ -18,7 +18,7 @@ from cluster.engine.prompt import CheckedPrompt, PromptEncoder
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.serve.limits import InputLimits
 from cluster.serve.metrics import MediaMetrics
-from model.multimodal import MultimodalSpec
+from model.multimodal_spec import MultimodalSpec
 
 
 @dataclass(slots=True)

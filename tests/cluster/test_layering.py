@@ -34,3 +34,13 @@ def test_the_engine_core_imports_no_ray():
     result = imports_without(["ray"], engine_modules)
     assert result.returncode == 0, result.stderr
     assert not [p.name for p in (ROOT / "cluster/engine").glob("*.py") if "import ray" in p.read_text()]
+
+
+def test_an_ingress_and_a_text_models_tokenizer_load_without_torch(model_dir):
+    """An ingress replica runs no model (unless it hosts the engine): torch would cost each one
+    ~2.4 s of CPU to import, and its memory."""
+    code = ("import sys\nimport cluster.serve.ingress\nfrom cluster.engine.tokenizer import load_tokenizer\n"
+            "load_tokenizer(sys.argv[1])\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    result = subprocess.run([sys.executable, "-c", code, model_dir], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

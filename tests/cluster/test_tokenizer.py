@@ -37,3 +37,18 @@ def test_load_tokenizer_is_autotokenizer(checkpoint):
     for chat in CHATS:
         assert (ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
                 == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+
+
+def test_autotokenizer_loads_the_named_backend_for_the_text_types_that_load_it_directly():
+    """load_tokenizer skips AutoTokenizer (and torch) for these types: AutoTokenizer must keep
+    loading the TokenizersBackend a checkpoint of theirs names."""
+    from transformers.models.auto.tokenization_auto import (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+                                                            TOKENIZER_MAPPING_NAMES)
+
+    from cluster.engine.tokenizer import NAMED_BACKEND_TYPES
+    from model.config import SUPPORTED_MODEL_TYPES
+
+    assert set(NAMED_BACKEND_TYPES) <= set(SUPPORTED_MODEL_TYPES)
+    for model_type in NAMED_BACKEND_TYPES:
+        assert model_type not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+        assert TOKENIZER_MAPPING_NAMES.get(model_type) != "MistralCommonBackend"
