@@ -1,9 +1,9 @@
 """Tensor parallelism and disaggregated prefill/decode over the real server: each configuration is
 its own Serve application on the session's Ray cluster (route prefix and gRPC `application`
-metadata select it), deployed for its test and deleted after.
+metadata select it), deployed for its tests and deleted after.
 
-- TP=2 colocated, and prefill TP=2 -> decode TP=1 disaggregated (KV re-sharded on the way): greedy
-  answers to a subset of the parity prompts equal HF transformers token for token.
+- TP=2 colocated, and prefill TP=1 (two replicas) -> decode TP=2 disaggregated (KV re-sharded on
+  the way): greedy answers to a subset of the parity prompts equal HF transformers token for token.
 - `pagoda status --json` shows the groups, their ranks and where each runs.
 - With two prefill replicas, Serve's prefix-affinity router sends prompts that share a prefix to
   the replica that holds it.
@@ -76,62 +76,79 @@ def test_tp2_colocated_server_matches_hf(server_with_model, references):
     assert all_blocks_free(group)
 
 
-def test_disaggregated_prefill_tp2_decode_tp1_matches_hf(server_with_model, references):
-    with deployed(server_with_model, "pagoda-pd", "/pd", disaggregated=True,
-                  prefill_engine=TP2) as app:
-        check_all(parity_answers(app), [references[i] for i in SERVER_PARITY])
-        report = status(app)
-    groups = {g["deployment"]: g for g in report["groups"]}
-    prefill, decode = groups["PrefillServer"], groups["LLMServer"]
-    assert (prefill["role"], prefill["tensor_parallel_size"], len(prefill["ranks"])) == ("prefill", 2, 2)
-    assert (decode["role"], decode["tensor_parallel_size"], len(decode["ranks"])) == ("decode", 1, 1)
-    assert decode["ranks"][0]["kv_heads"] == 3 and decode["ranks"][0]["pid"] == decode["replica_pid"]
-    assert all_blocks_free(prefill) and all_blocks_free(decode)
+@pytest.fixture(scope="module")
+def disaggregated_app(server_with_model):
+    """One disaggregated application for the two tests below, in order: two prefill replicas
+    (TP=1) for Serve's prefix-affinity router, decode over a TP=2 group whose worker the second
+    test kills. The circuit breaker decides on the last 5 s of calls: the first test's successes
+    are not in the window when the second one's calls fail."""
+    prefill_server = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 1}
+    with deployed(server_with_model, "pagoda-pd", "/pd", disaggregated=True, prefill_server=prefill_server,
+                  engine=TP2, prefill_engine={"tensor_parallel_size": 1},
+                  circuit_breaker={"min_requests": 2, "window_s": 5, "open_s": 2}) as app:
+        yield app
+
+
+def prefill_groups(app) -> list[dict]:
+    return [g for g in status(app)["groups"] if g["deployment"] == "PrefillServer"]
+
+
+def test_disaggregated_prefill_tp1_decode_tp2_matches_hf(disaggregated_app, references):
+    app = disaggregated_app
+    check_all(parity_answers(app), [references[i] for i in SERVER_PARITY])
+    report = status(app)
+    prefills = [g for g in report["groups"] if g["deployment"] == "PrefillServer"]
+    (decode,) = [g for g in report["groups"] if g["deployment"] == "LLMServer"]
+    assert [(p["role"], p["tensor_parallel_size"], len(p["ranks"])) for p in prefills] == [("prefill", 1, 1)] * 2
+    assert all(p["ranks"][0]["kv_heads"] == 3 and p["ranks"][0]["pid"] == p["replica_pid"] for p in prefills)
+    # the KV re-sharded on the way: the prefill replica's 3 heads over the decode group's 2 ranks
+    assert (decode["role"], decode["tensor_parallel_size"]) == ("decode", 2)
+    assert [r["kv_heads"] for r in decode["ranks"]] == [2, 1]
+    assert all(all_blocks_free(g) for g in report["groups"])
     assert set(report["deployments"]) == {"Ingress", "PrefillServer", "LLMServer"}  # the one Ingress keeps the ledger
 
 
-def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_opens_the_breaker_and_serve_recovers(server_with_model):
+def test_prefix_affinity_then_killing_a_decode_worker_fails_fast_opens_the_breaker_and_serve_recovers(disaggregated_app):
+    app = disaggregated_app
     long_answer = grpc_request({"prompt": "Write a long story about a lighthouse keeper."},
                                max_tokens=400, ignore_eos=True)
-    prefill_server = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 1}
-    with deployed(server_with_model, "pagoda-kill", "/kill", disaggregated=True, prefill_server=prefill_server,
-                  engine=TP2, prefill_engine={"tensor_parallel_size": 1},
-                  circuit_breaker={"min_requests": 2, "window_s": 60, "open_s": 2}) as app:
-        # Prompts sharing a long prefix all go to the prefill replica that has it cached.
-        for question in ("Summarize it.", "What is it about?", "Name one topic in it."):
-            answer(app, grpc_request({"prompt": DOC[:2000] + "\n" + question}, max_tokens=2))
-        prefills = [g for g in status(app)["groups"] if g["deployment"] == "PrefillServer"]
-        queried = sorted(g["stats"]["prefix_cache_queried_tokens"] for g in prefills)
-        assert len(prefills) == 2 and queried[0] == 0 and queried[1] > 0, [g["stats"] for g in prefills]
-        assert max(g["stats"]["prefix_cache_hit_rate"] for g in prefills) > 0.4  # 2 of 3 prompts hit ~all but a block
+    # Prompts sharing a long prefix all go to the prefill replica that has it cached.
+    before = {g["replica_pid"]: g["stats"] for g in prefill_groups(app)}
+    for question in ("Summarize it.", "What is it about?", "Name one topic in it."):
+        answer(app, grpc_request({"prompt": DOC[:2000] + "\n" + question}, max_tokens=2))
+    grown = sorted((g["stats"]["prefix_cache_queried_tokens"] - before[g["replica_pid"]]["prefix_cache_queried_tokens"],
+                    g["stats"]["prefix_cache_hit_tokens"] - before[g["replica_pid"]]["prefix_cache_hit_tokens"])
+                   for g in prefill_groups(app))
+    assert len(grown) == 2 and grown[0][0] == 0 and grown[1][0] > 0, grown
+    assert grown[1][1] / grown[1][0] > 0.4, grown  # 2 of 3 prompts hit ~all but a block
 
-        assert grpc_health(app) == "SERVING"
-        groups = {g["deployment"]: g for g in status(app)["groups"]}
-        victim = groups["LLMServer"]["ranks"][1]["pid"]  # a decode worker actor's process
-        failure = killed_mid_stream(app, long_answer, victim, 400)
-        assert failure.code() == grpc.StatusCode.UNAVAILABLE, failure.details()
-        assert "worker" in failure.details()
-        assert grpc_health(app) == "NOT_SERVING"  # what a Kubernetes readiness probe sees now
+    assert grpc_health(app) == "SERVING"
+    groups = {g["deployment"]: g for g in status(app)["groups"]}
+    victim = groups["LLMServer"]["ranks"][1]["pid"]  # a decode worker actor's process
+    failure = killed_mid_stream(app, long_answer, victim, 400)
+    assert failure.code() == grpc.StatusCode.UNAVAILABLE, failure.details()
+    assert "worker" in failure.details()
+    assert grpc_health(app) == "NOT_SERVING"  # what a Kubernetes readiness probe sees now
 
-        # The prefill side let go of everything it held.
-        deadline = time.monotonic() + 60
-        while not all(all_blocks_free(g) for g in status(app)["groups"] if g["deployment"] == "PrefillServer"):
-            assert time.monotonic() < deadline, status(app)["groups"]
-            time.sleep(0.2)
+    # The prefill side let go of everything it held.
+    deadline = time.monotonic() + 60
+    while not all(all_blocks_free(g) for g in status(app)["groups"] if g["deployment"] == "PrefillServer"):
+        assert time.monotonic() < deadline, status(app)["groups"]
+        time.sleep(0.2)
 
-        # Serve replaces the unhealthy decode replica (and its workers); then requests succeed.
-        # The ingress's circuit breaker opens on those failures: later requests are refused at once,
-        # without reaching the broken replica, until a probe succeeds.
-        tokens, refusals = answer_once_replaced(app, grpc_request({"prompt": "The capital of France is"}, max_tokens=8))
-        assert len(tokens) == 8
-        assert any("circuit breaker open" in r for r in refusals), refusals
-        breaker = requests.get(f"{app['http']}/v1/pagoda/stats", timeout=60).json()["circuit_breakers"]["LLMServer"]
-        assert breaker["state"] == "closed"  # the probe that succeeded closed it
-        assert grpc_health(app) == "SERVING"
-        groups = {g["deployment"]: g for g in status(app)["groups"]}
-        new_pids = {r["pid"] for r in groups["LLMServer"]["ranks"]}
-        assert victim not in new_pids and len(new_pids) == 2
-        assert all(all_blocks_free(g) for g in status(app)["groups"])
+    # Serve replaces the unhealthy decode replica (and its workers); then requests succeed.
+    # The ingress's circuit breaker opens on those failures: later requests are refused at once,
+    # without reaching the broken replica, until a probe succeeds.
+    tokens, refusals = answer_once_replaced(app, grpc_request({"prompt": "The capital of France is"}, max_tokens=8))
+    assert len(tokens) == 8
+    assert any("circuit breaker open" in r for r in refusals), refusals
+    breaker = requests.get(f"{app['http']}/v1/pagoda/stats", timeout=60).json()["circuit_breakers"]["LLMServer"]
+    assert breaker["state"] == "closed"  # the probe that succeeded closed it
+    assert grpc_health(app) == "SERVING"
+    groups = {g["deployment"]: g for g in status(app)["groups"]}
+    new_pids = {r["pid"] for r in groups["LLMServer"]["ranks"]}
+    assert victim not in new_pids and len(new_pids) == 2
+    assert all(all_blocks_free(g) for g in status(app)["groups"])
 
 
 def test_kv_lost_with_its_prefill_replica_fails_only_that_request(serve_cluster):
