@@ -288,10 +288,14 @@ def generate(prompt, offline, server, model_dir, prompts_file, chat, images, aud
 
 def _generate_offline(prompts, params, model_dir, engine_options: dict, as_json) -> None:
     from cluster import LLM, InvalidRequestError
+    from cluster.engine.prompt import check_prompt_text
     from cluster.model_fetch import fetch_default_model
     from model.config import UnsupportedModelError
 
     try:
+        for record in prompts:  # before the model loads: a bad prompt string needs no model to tell
+            if isinstance(record.get("prompt"), str):
+                check_prompt_text(record["prompt"])
         llm = LLM(model_dir or str(fetch_default_model(log=lambda m: click.echo(m, err=True))),
                   **engine_options)
         encoded = [llm.encode(p.get("prompt"), p.get("messages")) for p in prompts]

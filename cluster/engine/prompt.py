@@ -61,10 +61,7 @@ class PromptEncoder:
                 raise InvalidRequestError("messages", f"the chat template rejected them: {e}") from None
             token_ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
         elif isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            if not is_valid_unicode(prompt):
-                raise InvalidRequestError("prompt", "is not valid Unicode (it holds a lone surrogate)")
+            check_prompt_text(prompt)
             self._check_length("prompt", len(prompt))
             token_ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, list):
@@ -98,6 +95,14 @@ class PromptEncoder:
                 f"{len(token_ids) + max_tokens} tokens do not fit the context of {self.max_model_len}",
             )
         return CheckedPrompt(token_ids, self.max_model_len - len(token_ids))
+
+
+def check_prompt_text(prompt: str) -> None:
+    """What a prompt string must be, whatever the model (its length is the model's to check)."""
+    if not prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if not is_valid_unicode(prompt):
+        raise InvalidRequestError("prompt", "is not valid Unicode (it holds a lone surrogate)")
 
 
 def check_messages(messages) -> None:

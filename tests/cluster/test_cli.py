@@ -86,6 +86,15 @@ def test_generate_on_a_directory_that_is_not_a_model(tmp_path):
     assert result.returncode != 0 and "no config.json" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_an_empty_prompt_is_refused_before_a_model_loads(tmp_path):
+    """The directory is no model at all: the prompt's error comes first, so no model was loaded."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n{"prompt": ""}\n')
+    result = run_in_process("generate", "--offline", "--model", str(tmp_path), "--prompts-file", str(prompts))
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit)
+    assert "prompt: must not be empty" in result.stderr and "config.json" not in result.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp", "4"], "tensor parallel size 4 does not fit 9 query heads over 3 KV heads"),
     (["--disaggregated", "--prefill-tp", "6"], "tensor parallel size 6"),
