@@ -83,8 +83,8 @@ class MediaEncoder:
         architecture = getattr(transformers, config.architectures[0])
         with torch.device("meta"):  # the language model stays unallocated: model/llama.py runs it
             self.hf = architecture(config)
-        self.family = ENCODERS[self.spec.model_type]
-        names = self.family.modules
+        self.family_encoder = ENCODERS[self.spec.model_type]
+        names = self.family_encoder.modules
         for name in names:
             _materialize(self.hf, name, dtype, self.device)
         _load_encoder_weights(self.hf, model_dir, names)
@@ -95,7 +95,7 @@ class MediaEncoder:
         """One item's processor output (its arrays with a leading batch dimension of 1)."""
         tensors = {key: torch.from_numpy(np.asarray(value)).to(self.device) for key, value in inputs.items()}
         tensors = {key: t.to(self.dtype) if t.is_floating_point() else t for key, t in tensors.items()}
-        return self.family.encode(self.hf, tensors)
+        return self.family_encoder.encode(self.hf, tensors)
 
 
 def _materialize(hf: nn.Module, name: str, dtype: torch.dtype, device: torch.device) -> None:

@@ -14,8 +14,7 @@ if TYPE_CHECKING:
 # Text model types whose checkpoints AutoTokenizer (transformers 5) loads with the class
 # tokenizer_config.json names when that is TokenizersBackend: it loads another class only for the
 # model types on its list of hub classes known to be wrong (Qwen2 is on it), and for Mistral's with
-# a tekken.json.
-# tests/cluster/test_tokenizer.py checks these types against that list.
+# a tekken.json. tests/cluster/test_tokenizer.py checks these types against that list.
 NAMED_BACKEND_TYPES = ("llama",)
 
 
@@ -24,8 +23,7 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     model_dir = Path(model_dir)
     tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
     config = _read_json(model_dir / "config.json")
-    from_named_class = bool(tokenizer_config.get("tokenizer_class")) and "auto_map" not in tokenizer_config and config
-    if not from_named_class:
+    if not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config or not config:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(model_dir)

@@ -24,7 +24,7 @@ from protos import inference_pb2 as pb
 from tests.hf_reference import check_all
 from tests.multimodal.conftest import FAMILIES, MAX_TOKENS
 from tests.multimodal.models import blank_image, image_conversations, png, silence, wav
-from tests.served_apps import deployed
+from tests.served_apps import deployed, scrape_until
 
 
 MAX_MEDIA_BYTES = 64 << 10
@@ -90,18 +90,17 @@ def test_media_metrics_are_exported(llava_app, serve_cluster):
     for _ in range(2):  # a miss, then a hit: each counter has something to export, whatever ran before
         generate(llava_app, image_conversations()["one image"])
     placement = f'placement="{llava_app["placement"]}"'
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        text = requests.get(serve_cluster["metrics"], timeout=30).text
+
+    def missing(text: str) -> list[str]:
         lines = [line for line in text.splitlines() if line.startswith("ray_pagoda_")]
-        wanted = [any(line.startswith(name) and placement in line for line in lines)
-                  for name in ("ray_pagoda_encoder_latency_seconds_count", "ray_pagoda_encoder_cache_hits_total",
-                               "ray_pagoda_encoder_cache_misses_total")]
-        if all(wanted) and any(line.startswith("ray_pagoda_media_items_total") and 'modality="image"' in line
-                               for line in lines):
-            return
-        time.sleep(1)
-    raise AssertionError(f"media metrics missing for {placement}: {wanted}")
+        gaps = [name for name in ("ray_pagoda_encoder_latency_seconds_count", "ray_pagoda_encoder_cache_hits_total",
+                                  "ray_pagoda_encoder_cache_misses_total")
+                if not any(line.startswith(name) and placement in line for line in lines)]
+        if not any(line.startswith("ray_pagoda_media_items_total") and 'modality="image"' in line for line in lines):
+            gaps.append('ray_pagoda_media_items_total{modality="image"}')
+        return gaps
+
+    scrape_until(serve_cluster["metrics"], missing, timeout_s=30)
 
 
 BAD_MEDIA = {
