@@ -34,8 +34,8 @@ TP2 = {"tensor_parallel_size": 2, "tp_collective": "gloo"}
 
 # What the server adds to the engine is the plumbing (TP groups behind Serve, the KV hand-off between
 # deployments), so a few prompts of each kind: chats (one multi-turn), plain text, a one-token prompt
-# and the 700-token document (44 blocks to hand over). Over a TP=2 group (gloo) each 2.9K-token
-# prefill would cost ~20 s here; the engine-level TP and transfer tests run every parity prompt.
+# and the 700-token document (44 blocks to hand over). Over a TP=2 group (gloo) each 2K-token
+# document's prefill costs many seconds; the engine's parity tests (test_parity.py) run every one.
 SERVER_PARITY = [0, 3, 8, 9, 12, 17, 18, 19]
 
 

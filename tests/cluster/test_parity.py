@@ -27,7 +27,7 @@ def test_concurrent_greedy_matches_hf(llm, encoded, references):
 # tests runs beside the other, on the other pytest worker.
 @pytest.mark.xdist_group("parity-small-chunks")
 def test_small_prefill_chunks_match_hf(model_dir, encoded, references):
-    # 48-token chunks take ~50 steps per 2.3K-token document: one of them crosses enough boundaries
+    # 48-token chunks take ~45 steps per 2.1K-token document: one of them crosses enough boundaries
     chosen = without_long_twins()
     chunked = LLM(model_dir, num_blocks=1024, max_num_batched_tokens=48)
     outputs = chunked.generate([encoded[i] for i in chosen], GREEDY)
