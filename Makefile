@@ -7,6 +7,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# Bytecode is written by the first process that imports a module, for every process after it (Ray
+# starts many): where PYTHONDONTWRITEBYTECODE is set, each would compile each module it imports
+# again. Written on first import rather than compiled at install: a run imports ~1 in 7 of the
+# virtualenv's 18.5K modules, and compiling them all cost the install 60 CPU-s (docs/benchmarks.md)
+export PYTHONDONTWRITEBYTECODE :=
+
 .PHONY: install model serve demo test test-fast bench clean
 
 # Where pip finds wheels besides its index (on CPU hosts, the local CPU torch wheel): uv looks there too
@@ -16,11 +22,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# The constraint keeps the local CPU torch wheel; on GPU machines run: pip install -e '.[test]'
 	# DS_BUILD_OPS=0: deepspeed compiles the one op Pagoda uses (CPU shared-memory all-reduce) on first use
-	# Compiled at install, not skipped: where PYTHONDONTWRITEBYTECODE is set (this machine) every
-	# process would compile each module it imports, and Ray starts many processes
 	# uv installs the same packages as pip in less time (docs/benchmarks.md, "The test suite"); pip
 	# does it wherever uv cannot be had or fails
-	( $(BIN)/pip install -q uv && DS_BUILD_OPS=0 $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode \
+	( $(BIN)/pip install -q uv && DS_BUILD_OPS=0 $(BIN)/uv pip install -q --python $(BIN)/python \
 	    -c constraints.txt $(foreach links,$(FIND_LINKS),--find-links $(links)) -e '.[test]' ) || \
 	( $(BIN)/pip install -q --upgrade pip && DS_BUILD_OPS=0 PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -q -e '.[test]' )
 	# Pagoda's CPU kernels (model/csrc), built for this CPU; without a compiler torch's paths run
