@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # Bytecode is written by the first process that imports a module, for every process after it (Ray
 # starts many): where PYTHONDONTWRITEBYTECODE is set, each would compile each module it imports
 # again. Written on first import rather than compiled at install: `make test` imports 5.4K of the
-# virtualenv's 18.6K modules, and compiling them all cost the install 60 CPU-s (docs/benchmarks.md)
+# virtualenv's 18.6K modules, and compiling them all cost the install 60 CPU-s (docs/benchmarks-log.md, "A Zen 1 host")
 export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: install model serve demo test test-fast bench clean
