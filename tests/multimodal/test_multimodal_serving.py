@@ -1,10 +1,11 @@
 """Multimodal models over the real server: gRPC image and audio parts and OpenAI image_url data
 URLs, with the encoder colocated in the LLMServer's engine and as its own EncoderServer
-deployment (each its own Serve application on the session's cluster).
+deployment (LLaVA: each its own Serve application on the session's cluster).
 
 - Greedy answers equal HF's model classes token for token: LLaVA (encoder colocated and as a
   deployment; one image, two images, an image in the second turn of a chat, text alone), and
-  LLaVA-NeXT and Qwen2-Audio (encoder as a deployment; the same with audio clips).
+  LLaVA-NeXT and Qwen2-Audio (the EncoderServer and the Ingress with its engine in this process;
+  the same with audio clips, also as OpenAI input_audio).
 - The same image twice: encoded once (encoder cache) and its prefix served from the prefix cache;
   another image with the same text shares nothing. Counted in /v1/pagoda/stats and in metrics.
 - Every kind of bad media gets INVALID_ARGUMENT / 400 naming its part, and leaves no block held.
@@ -22,6 +23,7 @@ import requests
 from cluster.serve.grpc_convert import grpc_messages
 from protos import inference_pb2 as pb
 from tests.hf_reference import check_all
+from tests.in_process_ingress import GrpcError
 from tests.multimodal.conftest import FAMILIES, MAX_TOKENS
 from tests.multimodal.models import blank_image, image_conversations, png, silence, wav
 from tests.served_apps import deployed, scrape_until
@@ -39,10 +41,14 @@ def llava_app(request, serve_cluster, llava_dir):
         yield {**app, "placement": placement}
 
 
+def greedy_request(conversation: list[dict]) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=grpc_messages(conversation),
+                              sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+
+
 def generate(app, conversation: list[dict]) -> list[int]:
-    request = pb.GenerateRequest(messages=grpc_messages(conversation),
-                                 sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    return [t for r in app["stub"].Generate(request, metadata=app["metadata"], timeout=300) for t in r.token_ids]
+    responses = app["stub"].Generate(greedy_request(conversation), metadata=app["metadata"], timeout=300)
+    return [t for r in responses for t in r.token_ids]
 
 
 def stats(app) -> dict:
@@ -164,33 +170,57 @@ def test_openai_image_url_data_urls(llava_app, llava_dir, llava_references):
 
 
 
-@pytest.mark.parametrize("family", ["llava_next", "qwen2_audio"])
-def test_other_families_over_grpc_with_the_encoder_deployment(serve_cluster, checkpoints, family):
-    references = checkpoints.references(family)
-    with deployed({**serve_cluster, "model_dir": checkpoints.dir(family)}, family, f"/{family}",
-                  engine={"encoder": "deployment"}, limits={"max_audio_seconds": 2},
-                  encoder_server={"ray_actor_options": {"num_cpus": 0}}) as app:
-        answers = [generate(app, c) for c in FAMILIES[family][2]().values()]
-        check_all(answers, list(references.values()))
-        info = app["stub"].GetModelInfo(pb.GetModelInfoRequest(), metadata=app["metadata"], timeout=60)
-        modality = "audio" if family == "qwen2_audio" else "image"
-        assert list(info.modalities) == ["text", modality]
-        if modality == "audio":  # the first clip once more, as OpenAI input_audio
-            from transformers import AutoTokenizer
+@pytest.fixture
+def family_ingress(checkpoints, request):
+    """The Ingress with its engine in this process (tests/in_process_ingress.py) and an EncoderServer
+    beside it, called as the pipeline calls the deployment (in_process.LocalHandle): the family's
+    processor, encoder and template are what is tested here; the Ray hop between the EncoderServer
+    and the Ingress, the same for every family, is the llava "deployment" app's above."""
+    from cluster.serve.encoder_server import EncoderServer
+    from cluster.serve.in_process import LocalHandle
+    from tests.in_process_ingress import InProcessIngress
 
-            clip = FAMILIES[family][2]()["one clip"][0]["content"]
-            body = {"messages": [{"role": "user", "content": [
-                {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip[0]["data"]).decode(), "format": "wav"}},
-                {"type": "text", "text": clip[1]["text"]}]}], "max_tokens": MAX_TOKENS, "temperature": 0}
-            r = requests.post(f"{app['http']}/v1/chat/completions", json=body, timeout=300)
-            expected = AutoTokenizer.from_pretrained(checkpoints.dir(family)).decode(
-                references["one clip"].token_ids, skip_special_tokens=True)
-            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected, r.text
-            for data, reason in [(wav(9, seconds=3.0), "3.0 s of audio; this server takes at most 2 s"),
-                                 (b"RIFF....WAVEfmt ", "is not audio"), (png(1), "is not audio")]:
-                with pytest.raises(grpc.RpcError) as error:
-                    generate(app, [{"role": "user", "content": [{"type": "audio", "data": data}]}])
-                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "messages[0].parts[0].audio" in error.value.details() and reason in error.value.details()
-            s = wait_all_blocks_free(app)
-            assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    model_dir = checkpoints.dir(request.param)
+    client = InProcessIngress(model_dir, engine={"encoder": "deployment"}, limits={"max_audio_seconds": 2},
+                              encoder_server=LocalHandle(EncoderServer(model_dir)))
+    yield client
+    client.close()
+
+
+def generate_in_process(client, conversation: list[dict]) -> list[int]:
+    return [t for r in client.grpc("Generate", greedy_request(conversation)) for t in r.token_ids]
+
+
+@pytest.mark.ray  # a served model: make test only
+@pytest.mark.parametrize("family_ingress", ["llava_next", "qwen2_audio"], indirect=True)
+def test_other_families_over_grpc_with_the_encoder_deployment(family_ingress, checkpoints, request):
+    family = request.node.callspec.params["family_ingress"]
+    client = family_ingress
+    references = checkpoints.references(family)
+    answers = [generate_in_process(client, c) for c in FAMILIES[family][2]().values()]
+    check_all(answers, list(references.values()))
+    info = client.grpc("GetModelInfo", pb.GetModelInfoRequest())
+    modality = "audio" if family == "qwen2_audio" else "image"
+    assert list(info.modalities) == ["text", modality]
+    assert client.http.get("/v1/pagoda/stats").json()["encoder"]["cache_misses"] > 0  # encoded by the EncoderServer
+    if modality == "audio":  # the first clip once more, as OpenAI input_audio
+        from transformers import AutoTokenizer
+
+        clip = FAMILIES[family][2]()["one clip"][0]["content"]
+        body = {"messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip[0]["data"]).decode(), "format": "wav"}},
+            {"type": "text", "text": clip[1]["text"]}]}], "max_tokens": MAX_TOKENS, "temperature": 0}
+        r = client.http.post("/v1/chat/completions", json=body)
+        expected = AutoTokenizer.from_pretrained(checkpoints.dir(family)).decode(
+            references["one clip"].token_ids, skip_special_tokens=True)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected, r.text
+        for data, reason in [(wav(9, seconds=3.0), "3.0 s of audio; this server takes at most 2 s"),
+                             (b"RIFF....WAVEfmt ", "is not audio"), (png(1), "is not audio")]:
+            with pytest.raises(GrpcError) as error:
+                generate_in_process(client, [{"role": "user", "content": [{"type": "audio", "data": data}]}])
+            assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "messages[0].parts[0].audio" in error.value.details and reason in error.value.details
+        deadline = time.monotonic() + 60
+        while (s := client.http.get("/v1/pagoda/stats").json())["kv_blocks_free"] != s["kv_blocks_total"]:
+            assert time.monotonic() < deadline, s
+            time.sleep(0.2)
