@@ -1,4 +1,5 @@
-"""The engine over a TP=2 group of Ray actors (gloo) gives the single-process engine's tokens.
+"""The engine over a TP=2 group of Ray actors gives the single-process engine's tokens, also a group
+whose first rendezvous port was taken by another process before rank 0 could bind it.
 Uses the session's Ray cluster (the `server` fixture starts it with its metrics port)."""
 
 import socket
@@ -16,9 +17,29 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a t
 
 @pytest.fixture(scope="module")
 def tp2(server, model_dir):
-    llm = LLM(model_dir, tensor_parallel_size=2, num_blocks=64)
+    """The module's TP=2 group, started while the rendezvous port first picked for it is taken:
+    the port is free when picked, and another process binds it before rank 0's store does."""
+    from cluster.executor import tp_group
+
+    taken = socket.create_server(("0.0.0.0", 0))
+    taken_address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+    picked = tp_group._rendezvous_on_rank0_node
+    picks = []
+
+    class FirstPickTaken:
+        def options(self, **options):
+            picks.append(options)
+            if len(picks) == 1:
+                return type("Taken", (), {"remote": lambda _: ray.put(taken_address)})()
+            return picked.options(**options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tp_group, "_rendezvous_on_rank0_node", FirstPickTaken())
+        llm = LLM(model_dir, tensor_parallel_size=2, num_blocks=64)
+    llm.rendezvous = {"picks": len(picks), "taken": taken_address}
     yield llm
     llm.engine.executor.shutdown()
+    taken.close()
 
 
 def test_tp2_greedy_and_seeded_outputs_equal_tp1(tp2, llm):
@@ -58,28 +79,6 @@ def test_tp2_swap_preemption_gives_the_same_tokens(server, model_dir, llm):
         tight.engine.executor.shutdown()
 
 
-def test_a_rendezvous_port_taken_before_rank_0_binds_it_starts_the_group_on_another(server, model_dir, llm,
-                                                                                    monkeypatch):
-    """The port is free when picked; another process binds it before rank 0's store does."""
-    from cluster.executor import tp_group
-
-    taken = socket.create_server(("0.0.0.0", 0))
-    picked = tp_group._rendezvous_on_rank0_node
-    picks = []
-
-    class FirstPickTaken:
-        def options(self, **options):
-            picks.append(options)
-            if len(picks) == 1:
-                return type("Taken", (), {"remote": lambda _: ray.put(f"tcp://127.0.0.1:{taken.getsockname()[1]}")})()
-            return picked.options(**options)
-
-    monkeypatch.setattr(tp_group, "_rendezvous_on_rank0_node", FirstPickTaken())
-    greedy = SamplingParams(max_tokens=6, temperature=0)
-    group = LLM(model_dir, tensor_parallel_size=2, num_blocks=16)
-    try:
-        assert len(picks) == 2 and group.engine.executor.init_method != f"tcp://127.0.0.1:{taken.getsockname()[1]}"
-        assert group.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids == llm.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids
-    finally:
-        group.engine.executor.shutdown()
-        taken.close()
+def test_a_rendezvous_port_taken_before_rank_0_binds_it_starts_the_group_on_another(tp2):
+    """The group of the module's other tests (their tokens equal TP=1's on it)."""
+    assert tp2.rendezvous["picks"] == 2 and tp2.engine.executor.init_method != tp2.rendezvous["taken"]
