@@ -55,9 +55,13 @@ def stats(app) -> dict:
     return requests.get(f"{app['http']}/v1/pagoda/stats", timeout=60).json()
 
 
-def wait_all_blocks_free(app, timeout_s: float = 60) -> dict:
+def in_process_stats(client) -> dict:
+    return client.http.get("/v1/pagoda/stats").json()
+
+
+def wait_all_blocks_free(app, timeout_s: float = 60, read=stats) -> dict:
     deadline = time.monotonic() + timeout_s
-    while (s := stats(app))["kv_blocks_free"] != s["kv_blocks_total"] and time.monotonic() < deadline:
+    while (s := read(app))["kv_blocks_free"] != s["kv_blocks_total"] and time.monotonic() < deadline:
         time.sleep(0.2)
     return s
 
@@ -171,7 +175,7 @@ def test_openai_image_url_data_urls(llava_app, llava_dir, llava_references):
 
 
 @pytest.fixture
-def family_ingress(checkpoints, request):
+def family_ingress(checkpoints, family):
     """The Ingress with its engine in this process (tests/in_process_ingress.py) and an EncoderServer
     beside it, called as the pipeline calls the deployment (in_process.LocalHandle): the family's
     processor, encoder and template are what is tested here; the Ray hop between the EncoderServer
@@ -180,7 +184,7 @@ def family_ingress(checkpoints, request):
     from cluster.serve.in_process import LocalHandle
     from tests.in_process_ingress import InProcessIngress
 
-    model_dir = checkpoints.dir(request.param)
+    model_dir = checkpoints.dir(family)
     client = InProcessIngress(model_dir, engine={"encoder": "deployment"}, limits={"max_audio_seconds": 2},
                               encoder_server=LocalHandle(EncoderServer(model_dir)))
     yield client
@@ -192,9 +196,8 @@ def generate_in_process(client, conversation: list[dict]) -> list[int]:
 
 
 @pytest.mark.ray  # a served model: make test only
-@pytest.mark.parametrize("family_ingress", ["llava_next", "qwen2_audio"], indirect=True)
-def test_other_families_over_grpc_with_the_encoder_deployment(family_ingress, checkpoints, request):
-    family = request.node.callspec.params["family_ingress"]
+@pytest.mark.parametrize("family", ["llava_next", "qwen2_audio"])
+def test_other_families_over_grpc_with_the_encoder_deployment(family_ingress, checkpoints, family):
     client = family_ingress
     references = checkpoints.references(family)
     answers = [generate_in_process(client, c) for c in FAMILIES[family][2]().values()]
@@ -202,7 +205,7 @@ def test_other_families_over_grpc_with_the_encoder_deployment(family_ingress, ch
     info = client.grpc("GetModelInfo", pb.GetModelInfoRequest())
     modality = "audio" if family == "qwen2_audio" else "image"
     assert list(info.modalities) == ["text", modality]
-    assert client.http.get("/v1/pagoda/stats").json()["encoder"]["cache_misses"] > 0  # encoded by the EncoderServer
+    assert in_process_stats(client)["encoder"]["cache_misses"] > 0  # encoded by the EncoderServer
     if modality == "audio":  # the first clip once more, as OpenAI input_audio
         from transformers import AutoTokenizer
 
@@ -220,7 +223,5 @@ def test_other_families_over_grpc_with_the_encoder_deployment(family_ingress, ch
                 generate_in_process(client, [{"role": "user", "content": [{"type": "audio", "data": data}]}])
             assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
             assert "messages[0].parts[0].audio" in error.value.details and reason in error.value.details
-        deadline = time.monotonic() + 60
-        while (s := client.http.get("/v1/pagoda/stats").json())["kv_blocks_free"] != s["kv_blocks_total"]:
-            assert time.monotonic() < deadline, s
-            time.sleep(0.2)
+        s = wait_all_blocks_free(client, read=in_process_stats)
+        assert s["kv_blocks_free"] == s["kv_blocks_total"]
